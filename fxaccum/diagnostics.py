@@ -1,0 +1,344 @@
+"""Collectives and memory of a compiled step, read from its optimized HLO.
+
+"Prove my step reduces once": :func:`report` compiles a function for example arguments
+and lists every collective the compiled program runs — its kind, bytes, the mesh axes it
+spans, and whether it sits at the top level, inside a loop body (``while``, e.g. the
+micro-batch ``lax.scan``) or inside a conditional branch (``lax.cond``) — together with
+the compiled memory figures.
+
+Example:
+  >>> import jax, jax.numpy as jnp, fxaccum
+  >>> rep = fxaccum.diagnostics.report(jax.jit(lambda x: jnp.sin(x) * 2), jnp.ones(4))
+  >>> rep.count()   # a one-device program runs no collective
+  0
+  >>> rep.memory.argument_bytes
+  16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["Collective", "Memory", "Report", "report", "from_compiled", "REDUCTIONS"]
+
+#: Collective kinds that reduce (sum) values across devices.
+REDUCTIONS = ("all-reduce", "reduce-scatter")
+_KINDS = (
+    "all-reduce", "reduce-scatter", "all-gather", "all-to-all", "ragged-all-to-all",
+    "collective-permute", "collective-broadcast",
+)
+_BYTES = {
+    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_HEADER = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective instruction of a compiled program.
+
+  Attributes:
+    kind: HLO kind without the async suffix, e.g. ``"all-reduce"``, ``"reduce-scatter"``.
+    name: the instruction's name in the HLO.
+    bytes: per-device payload: the larger of its operand and result sizes (the full,
+      unscattered size for a reduce-scatter, the gathered size for an all-gather).
+    in_loop: inside a ``while`` body (a ``lax.scan``/``fori_loop``), at any depth.
+    in_conditional: inside a branch of a ``conditional`` (``lax.cond``/``switch``).
+    executions: how often one call runs it: the product of the known trip counts of the
+      loops around it (1 at top level; a conditional branch counts as if taken).
+    axes: the mesh axes its device groups span, when a mesh was given and they match
+      one; else None.
+  """
+
+  kind: str
+  name: str
+  bytes: int
+  in_loop: bool
+  in_conditional: bool
+  executions: int
+  axes: tuple[str, ...] | None
+
+  @property
+  def place(self) -> str:
+    """``"loop"``, ``"conditional"`` or ``"top"`` (innermost-first priority: loop)."""
+    if self.in_loop:
+      return "loop"
+    return "conditional" if self.in_conditional else "top"
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+  """``compiled.memory_analysis()`` figures, in bytes per device."""
+
+  temp_bytes: int
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  generated_code_bytes: int
+
+  @property
+  def peak_bytes(self) -> int:
+    """Temp + arguments + outputs - aliased (XLA's own peak leaves temp out on CPU)."""
+    return self.temp_bytes + self.argument_bytes + self.output_bytes - self.alias_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """What a compiled program communicates and how much memory it needs."""
+
+  collectives: tuple[Collective, ...]
+  memory: Memory | None
+
+  def select(
+      self,
+      kind: str | Iterable[str] | None = None,
+      place: str | None = None,
+      axes: str | Iterable[str] | None = None,
+  ) -> list[Collective]:
+    """Collectives of the given kind(s), place (``top``/``loop``/``conditional``; a
+    collective in a conditional inside a loop counts as ``loop``) and spanning any of the
+    given mesh axes."""
+    kinds = {kind} if isinstance(kind, str) else None if kind is None else set(kind)
+    wanted = {axes} if isinstance(axes, str) else None if axes is None else set(axes)
+    if place not in (None, "top", "loop", "conditional"):
+      raise ValueError(f"place must be 'top', 'loop' or 'conditional', got {place!r}.")
+    out = []
+    for c in self.collectives:
+      if kinds is not None and c.kind not in kinds:
+        continue
+      if place is not None and c.place != place:
+        continue
+      if wanted is not None and (c.axes is None or not wanted & set(c.axes)):
+        continue
+      out.append(c)
+    return out
+
+  def count(self, kind=None, place=None, axes=None) -> int:
+    """Number of matching collective instructions (see :meth:`select`)."""
+    return len(self.select(kind, place, axes))
+
+  def bytes_per_call(self, kind=None, place=None, axes=None) -> int:
+    """Bytes the matching collectives move in one call (bytes x executions)."""
+    return sum(c.bytes * c.executions for c in self.select(kind, place, axes))
+
+  def reductions(self, place=None, axes=None) -> list[Collective]:
+    """The all-reduces and reduce-scatters (gradient reductions)."""
+    return self.select(REDUCTIONS, place, axes)
+
+  def summary(self) -> str:
+    """A human-readable table."""
+    lines = [f"{'kind':<20}{'place':<13}{'axes':<16}{'bytes':>12}{'runs':>6}"]
+    for c in self.collectives:
+      axes = ",".join(c.axes) if c.axes else "?"
+      lines.append(f"{c.kind:<20}{c.place:<13}{axes:<16}{c.bytes:>12}{c.executions:>6}")
+    if self.memory is not None:
+      m = self.memory
+      lines.append(
+          f"memory: temp={m.temp_bytes} args={m.argument_bytes} out={m.output_bytes} "
+          f"alias={m.alias_bytes} peak~{m.peak_bytes}"
+      )
+    return "\n".join(lines)
+
+
+def report(fn: Callable[..., Any], *args: Any, mesh: Any = None, **kwargs: Any) -> Report:
+  """Compiles ``fn`` for the example arguments and reports its collectives and memory.
+
+  Args:
+    fn: a ``jax.jit``-wrapped function (its ``donate_argnums`` etc. are kept) or a plain
+      function, which is jitted.
+    *args: example arguments (arrays or ``jax.ShapeDtypeStruct`` with shardings).
+    mesh: the mesh, to name the axes of each collective; default: the ``jax.set_mesh``
+      context mesh, else the mesh of the first argument with a ``NamedSharding``.
+    **kwargs: example keyword arguments.
+  """
+  if not hasattr(fn, "lower"):
+    fn = jax.jit(fn)
+  compiled = fn.lower(*args, **kwargs).compile()
+  if mesh is None:
+    mesh = _find_mesh(jax.tree.leaves((args, kwargs)))
+  return from_compiled(compiled, mesh=mesh)
+
+
+def from_compiled(compiled: Any, mesh: Any = None) -> Report:
+  """Builds a :class:`Report` from a ``jax.stages.Compiled``."""
+  memory = None
+  analysis = compiled.memory_analysis()
+  if analysis is not None:
+    memory = Memory(
+        temp_bytes=int(analysis.temp_size_in_bytes),
+        argument_bytes=int(analysis.argument_size_in_bytes),
+        output_bytes=int(analysis.output_size_in_bytes),
+        alias_bytes=int(analysis.alias_size_in_bytes),
+        generated_code_bytes=int(analysis.generated_code_size_in_bytes),
+    )
+  return Report(tuple(parse_hlo(compiled.as_text(), mesh)), memory)
+
+
+def _find_mesh(leaves: list[Any]) -> Any:
+  context = jax.sharding.get_abstract_mesh()
+  if context.axis_names:
+    return context
+  for leaf in leaves:
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      return sharding.mesh
+  return None
+
+
+def parse_hlo(text: str, mesh: Any = None) -> list[Collective]:
+  """Collectives of an HLO module's text, with their place in the call graph."""
+  computations: dict[str, list[tuple[str, str]]] = {}
+  entry = None
+  current = None
+  for line in text.splitlines():
+    # Computation headers are the unindented lines ending in "{"; instructions are indented.
+    header = _HEADER.match(line) if not line[:1].isspace() and line.rstrip().endswith("{") \
+        else None
+    if header:
+      current = header.group(2)
+      computations[current] = []
+      if header.group(1):
+        entry = current
+      continue
+    if current is None:
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    match = _INSTRUCTION.match(line)
+    if match:
+      computations[current].append((match.group(1), match.group(2)))
+  if entry is None:
+    return []
+  types = {name: _type_of(rest) for body in computations.values() for name, rest in body}
+
+  groups_by_axes = _axis_groups(mesh) if mesh is not None else {}
+  found: list[Collective] = []
+  seen: set[tuple[str, bool, bool, int]] = set()
+
+  def visit(name: str, in_loop: bool, in_cond: bool, runs: int) -> None:
+    if (name, in_loop, in_cond, runs) in seen or name not in computations:
+      return
+    seen.add((name, in_loop, in_cond, runs))
+    for inst_name, rest in computations[name]:
+      opcode = _opcode(rest)
+      kind = opcode.removesuffix("-start")
+      if kind in _KINDS and not opcode.endswith("-done"):
+        operands = re.findall(r"%([\w.\-]+)", rest.split("(", 1)[1].split(")", 1)[0]) \
+            if "(" in rest else []
+        operand_bytes = sum(_nbytes(types.get(o, "")) for o in operands)
+        found.append(Collective(
+            kind=kind,
+            name=inst_name,
+            bytes=max(_nbytes(types[inst_name]), operand_bytes),
+            in_loop=in_loop,
+            in_conditional=in_cond,
+            executions=runs,
+            axes=_match_axes(rest, groups_by_axes),
+        ))
+      if opcode == "while":
+        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+        body = re.search(r"body=%?([\w.\-]+)", rest)
+        if body:
+          visit(body.group(1), True, in_cond, runs * (int(trip.group(1)) if trip else 1))
+        continue
+      if opcode == "conditional":
+        branches = re.findall(
+            r"(?:true_computation|false_computation)=%?([\w.\-]+)", rest
+        ) + [b for group in re.findall(r"branch_computations=\{([^}]*)\}", rest)
+             for b in re.findall(r"%?([\w.\-]+)", group)]
+        for branch in branches:
+          visit(branch, in_loop, True, runs)
+        continue
+      for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", rest):
+        visit(callee, in_loop, in_cond, runs)
+
+  visit(entry, False, False, 1)
+  return found
+
+
+def _type_of(rest: str) -> str:
+  """The result type at the start of an instruction's right-hand side."""
+  if rest.startswith("("):
+    depth = 0
+    for i, ch in enumerate(rest):
+      depth += ch == "("
+      depth -= ch == ")"
+      if depth == 0:
+        return rest[: i + 1]
+  return rest.split(" ", 1)[0]
+
+
+def _opcode(rest: str) -> str:
+  after_type = rest[len(_type_of(rest)):].lstrip()
+  return after_type.split("(", 1)[0].strip()
+
+
+def _nbytes(type_text: str) -> int:
+  total = 0
+  for dtype, dims in _ARRAY.findall(type_text):
+    if dtype in _BYTES:
+      total += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def _axis_groups(mesh: Any) -> dict[tuple[str, ...], frozenset[frozenset[int]]]:
+  """For every non-empty set of mesh axes, the device groups a collective over it has.
+
+  Device ids are positions in the mesh's flattened device order (jit's device
+  assignment for a mesh).
+  """
+  names = tuple(mesh.axis_names)
+  shape = tuple(mesh.shape[a] for a in names)
+  ids = np.arange(math.prod(shape)).reshape(shape)
+  out = {}
+  for r in range(1, len(names) + 1):
+    for subset in itertools.combinations(range(len(names)), r):
+      others = [i for i in range(len(names)) if i not in subset]
+      moved = np.transpose(ids, others + list(subset)).reshape(
+          -1, math.prod(shape[i] for i in subset))
+      out[tuple(names[i] for i in subset)] = frozenset(frozenset(g.tolist()) for g in moved)
+  return out
+
+
+def _replica_groups(rest: str) -> frozenset[frozenset[int]] | None:
+  explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", rest)
+  if explicit:
+    groups = re.findall(r"\{([\d,]*)\}", explicit.group(1))
+    return frozenset(frozenset(int(i) for i in g.split(",") if i) for g in groups)
+  iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
+  if iota:
+    out_shape = [int(d) for d in iota.group(1).split(",")]
+    dims = [int(d) for d in iota.group(2).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if iota.group(3):
+      ids = ids.transpose([int(p) for p in iota.group(3).split(",")])
+    ids = ids.reshape(out_shape[0], -1)
+    return frozenset(frozenset(g.tolist()) for g in ids)
+  return None  # collective-permute pairs, or a format this parser does not read
+
+
+def _match_axes(rest: str, groups_by_axes: dict) -> tuple[str, ...] | None:
+  if not groups_by_axes:
+    return None
+  groups = _replica_groups(rest)
+  if groups is None:
+    return None
+  singletons = all(len(g) == 1 for g in groups)
+  if singletons:
+    return ()
+  for axes, axis_groups in groups_by_axes.items():
+    if groups == axis_groups:
+      return axes
+  return None

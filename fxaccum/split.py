@@ -1,0 +1,128 @@
+"""Splitting a batch into micro-batches without resharding it.
+
+Micro-batch ``i`` holds rows ``i, i + k, i + 2k, ...`` of the (per-device) batch. The
+split is a free reshape ``(b, ...) -> (b // k, k, ...)`` plus one strided slice per loop
+iteration: it never copies the whole batch and, unlike a contiguous split, never moves
+rows between devices of a data-sharded batch (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["check_micro_batches", "leading_size", "micro_batch", "fold"]
+
+
+def check_micro_batches(micro_batches: Any, name: str = "micro_batches") -> int:
+  """Returns ``micro_batches`` as an int, or raises if it is not a positive int."""
+  if isinstance(micro_batches, bool):
+    raise TypeError(f"{name} must be a positive int, got the bool {micro_batches!r}.")
+  try:
+    value = operator.index(micro_batches)
+  except TypeError:
+    raise TypeError(
+        f"{name} must be a positive int (a Python int known at trace time), got "
+        f"{micro_batches!r} of type {type(micro_batches).__name__}."
+    ) from None
+  if value <= 0:
+    raise ValueError(f"{name} must be a positive int, got {value}. Use 1 for no accumulation.")
+  return value
+
+
+def leading_size(batch: Any, micro_batches: int, devices: int = 1) -> int:
+  """Checks that every leaf of ``batch`` splits into equal micro-batches.
+
+  Args:
+    batch: the pytree of batch arguments.
+    micro_batches: number of micro-batches ``k``.
+    devices: number of devices the batch's leading axis is split over.
+
+  Returns:
+    The common leading size ``B`` of all leaves.
+
+  Raises:
+    ValueError: naming the leaf and sizes, if leaves disagree on ``B``, if ``B`` is not
+      divisible by ``k`` or by ``devices * k``, or if a leaf is a scalar.
+  """
+  paths_and_leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+  if not paths_and_leaves:
+    raise ValueError(
+        "The batch arguments (batch_argnums) hold no arrays; pass the batch as the argument "
+        "at batch_argnums, or set batch_argnums to where it is."
+    )
+  sizes = {}
+  for path, leaf in paths_and_leaves:
+    shape = jnp.shape(leaf)
+    where = jax.tree_util.keystr(path) or "<batch>"
+    if not shape:
+      raise ValueError(
+          f"Batch leaf {where} is a scalar; every batch leaf needs a leading batch axis to "
+          "split into micro-batches. Move constants out of the batch argument."
+      )
+    sizes.setdefault(shape[0], where)
+  if len(sizes) > 1:
+    listing = ", ".join(f"{where}: {size}" for size, where in sizes.items())
+    raise ValueError(
+        f"Batch leaves have different leading sizes ({listing}); all leaves of the batch "
+        "arguments must share the batch axis 0."
+    )
+  (size,) = sizes
+  if size % micro_batches:
+    raise ValueError(
+        f"The batch's leading size {size} is not divisible by micro_batches={micro_batches}. "
+        f"Use a global batch that is a multiple of {micro_batches} or a micro_batches that "
+        f"divides {size}."
+    )
+  if devices > 1 and size % (devices * micro_batches):
+    per_device = size / (devices * micro_batches)
+    raise ValueError(
+        f"The batch's leading size {size} over {devices} data-parallel devices and "
+        f"micro_batches={micro_batches} gives a per-device micro-batch of {per_device:g} "
+        f"examples; it must be a whole number >= 1. Use a batch that is a multiple of "
+        f"{devices * micro_batches}, fewer micro-batches, or name fewer data_axes."
+    )
+  return size
+
+
+def micro_batch(batch: Any, index: jax.Array, micro_batches: int) -> Any:
+  """Micro-batch ``index`` of ``batch``: rows ``index::micro_batches`` of every leaf."""
+
+  def take(leaf):
+    leaf = jnp.asarray(leaf)
+    rows = leaf.reshape(leaf.shape[0] // micro_batches, micro_batches, *leaf.shape[1:])
+    return lax.dynamic_index_in_dim(rows, index, axis=1, keepdims=False)
+
+  return jax.tree.map(take, batch)
+
+
+def fold(keys: Any, index: jax.Array) -> Any:
+  """``jax.random.fold_in`` of every PRNG key leaf in ``keys`` with ``index``."""
+
+  def fold_leaf(key):
+    dtype = jnp.result_type(key)
+    typed = jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    if not typed and not (dtype == jnp.uint32 and jnp.shape(key)[-1:] == (2,)):
+      raise TypeError(
+          f"rng_argnums leaves must be PRNG keys (jax.random.key(...) or a raw uint32[2] "
+          f"key), got {dtype}{list(jnp.shape(key))}. Pass only keys at rng_argnums."
+      )
+    return jax.random.fold_in(key, index)
+
+  return jax.tree.map(fold_leaf, keys)
+
+
+def as_argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
+  """Normalizes an ``argnums``-style int or sequence of ints to a tuple."""
+  values = (value,) if isinstance(value, int) else tuple(value)
+  for v in values:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+      raise TypeError(f"{name} must be a non-negative int or a tuple of them, got {value!r}.")
+  if len(set(values)) != len(values):
+    raise ValueError(f"{name} has repeated entries: {value!r}.")
+  return values

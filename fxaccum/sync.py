@@ -1,0 +1,247 @@
+"""Which mesh axes are data axes, local accumulation, and the single reduction.
+
+fxaccum accumulates gradients *per device* inside a ``jax.shard_map`` that is manual over
+the data axes only (every other mesh axis, e.g. a tensor- or sequence-parallel one, stays
+under the compiler's control). Inside, replicated params are cast to "varying" so that
+``jax.grad`` yields the local partial gradient instead of inserting an all-reduce per
+micro-batch, and the one data-axis reduction is issued explicitly after the loop. XLA:CPU
+never hoists an all-reduce out of a loop, so relying on the compiler is not an option
+(DESIGN.md §3).
+
+Layout detection (``data_axes=None``):
+
+* The mesh is the ``jax.set_mesh`` context mesh, else the mesh of the arguments'
+  ``NamedSharding`` (concrete arrays, or traced values on an ``Explicit`` mesh).
+* The data axes are the mesh axes the batch's axis 0 is sharded over, read from the
+  batch's sharding where JAX exposes it: concrete arrays (eager calls) and ``Explicit``
+  mesh axes (sharding in types). Inside ``jax.jit`` JAX does not expose the sharding of
+  ``Auto`` axes while tracing; for those, the conventional data-axis names
+  ``replica``, ``data``, ``batch``, ``dp`` and ``fsdp`` present in the mesh are taken.
+  Pass ``data_axes=`` to override.
+* A differentiated leaf is *FSDP-sharded* if its sharding names a data axis (read the same
+  way); inside ``jax.jit`` on an ``Auto`` mesh that is not visible, and such leaves are
+  treated as replicated over the data axes (gathered once per step). Use an ``Explicit``
+  mesh (``jax.make_mesh``'s default) for the memory-optimal FSDP path under ``jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["Layout", "plan", "vary", "gather", "reduce", "CONVENTIONAL_DATA_AXES"]
+
+#: Auto mesh axes assumed to carry the batch when JAX cannot show its sharding.
+CONVENTIONAL_DATA_AXES = ("replica", "data", "batch", "dp", "fsdp")
+
+# (dimension, data axes it is sharded over) for every sharded dimension of a leaf.
+DataDims = tuple[tuple[int, tuple[str, ...]], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where the batch and the differentiated leaves live, as fxaccum sees them.
+
+  Attributes:
+    mesh: the mesh (concrete or abstract), or None when there is none.
+    data_axes: the mesh axes the batch's axis 0 is split over; ``()`` means no
+      data-parallel reduction is fxaccum's to place (single device, or no data axes).
+    param_dims: for each differentiated leaf (flattened), its dimensions sharded over
+      data axes; ``()`` for a leaf replicated over the data axes.
+  """
+
+  mesh: Any
+  data_axes: tuple[str, ...]
+  param_dims: tuple[DataDims, ...]
+
+  @property
+  def data_devices(self) -> int:
+    """Number of devices the batch is split over."""
+    if not self.data_axes:
+      return 1
+    return math.prod(self.mesh.shape[a] for a in self.data_axes)
+
+  def param_spec(self, index: int) -> P:
+    """The ``shard_map`` in/out spec (data axes only) of differentiated leaf ``index``."""
+    dims = dict(self.param_dims[index])
+    if not dims:
+      return P()
+    entries = [None] * (max(dims) + 1)
+    for dim, axes in dims.items():
+      entries[dim] = axes if len(axes) > 1 else axes[0]
+    return P(*entries)
+
+
+def _named_sharding(leaf: Any) -> tuple[NamedSharding | None, bool]:
+  """The leaf's NamedSharding and whether its Auto axes are known (concrete arrays)."""
+  if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+    sharding = getattr(leaf, "sharding", None)
+    return (sharding if isinstance(sharding, NamedSharding) else None), True
+  try:
+    sharding = jax.typeof(leaf).sharding
+  except (TypeError, AttributeError):
+    return None, False
+  if isinstance(sharding, NamedSharding) and sharding.mesh.axis_names:
+    return sharding, False
+  return None, False
+
+
+def _known_axes(sharding: NamedSharding, concrete: bool) -> set[str]:
+  """Mesh axes whose sharding the spec really describes."""
+  mesh = sharding.mesh
+  if concrete:
+    return set(mesh.axis_names)
+  return {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+
+
+def _spec_axes(entry: Any) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _find_mesh(leaves: Sequence[Any]) -> Any:
+  context = jax.sharding.get_abstract_mesh()
+  if context.axis_names:
+    return context
+  for leaf in leaves:
+    sharding, _ = _named_sharding(leaf)
+    if sharding is not None:
+      return sharding.mesh
+  return None
+
+
+def _manual_axes(mesh: Any) -> set[str]:
+  return {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual}
+
+
+def plan(
+    diff_leaves: Sequence[Any],
+    batch_leaves: Sequence[Any],
+    other_leaves: Sequence[Any],
+    data_axes: tuple[str, ...] | None,
+) -> Layout:
+  """Works out the :class:`Layout` of a call; see the module docstring for the rules."""
+  mesh = _find_mesh([*batch_leaves, *diff_leaves, *other_leaves])
+  if mesh is None:
+    if data_axes:
+      raise ValueError(
+          f"data_axes={data_axes} was given but no mesh was found: call inside "
+          "`with jax.set_mesh(mesh):` or pass arrays placed with a NamedSharding."
+      )
+    return Layout(None, (), tuple(() for _ in diff_leaves))
+
+  manual = _manual_axes(mesh)
+  if data_axes is not None:
+    unknown = [a for a in data_axes if a not in mesh.axis_names]
+    if unknown:
+      raise ValueError(
+          f"data_axes names {unknown}, which the mesh does not have; its axes are "
+          f"{tuple(mesh.axis_names)}. Pass data_axes=None to infer them from the batch's "
+          "sharding, or name existing axes."
+      )
+    bad = [a for a in data_axes if a in manual]
+    if bad:
+      raise ValueError(
+          f"data_axes {bad} are already manual (fxaccum is called inside a shard_map over "
+          "them); the batch there is per-device. Leave them out of data_axes."
+      )
+    axes = tuple(data_axes)
+  else:
+    axes = _infer_data_axes(mesh, batch_leaves, manual)
+
+  param_dims = tuple(_data_dims(leaf, axes) for leaf in diff_leaves)
+  return Layout(mesh if axes else None, axes, param_dims)
+
+
+def _infer_data_axes(mesh: Any, batch_leaves: Sequence[Any], manual: set[str]) -> tuple[str, ...]:
+  found: set[str] = set()
+  unknown: set[str] = set()
+  for leaf in batch_leaves:
+    sharding, concrete = _named_sharding(leaf)
+    if sharding is None:
+      unknown |= set(mesh.axis_names)
+      continue
+    known = _known_axes(sharding, concrete)
+    spec = sharding.spec
+    if len(spec):
+      found |= set(_spec_axes(spec[0])) & known
+    unknown |= set(mesh.axis_names) - known
+  unknown -= found | manual
+  found |= {a for a in CONVENTIONAL_DATA_AXES if a in unknown}
+  return tuple(a for a in mesh.axis_names if a in found)
+
+
+def _data_dims(leaf: Any, data_axes: tuple[str, ...]) -> DataDims:
+  if not data_axes:
+    return ()
+  sharding, _ = _named_sharding(leaf)
+  if sharding is None:
+    return ()
+  dims = []
+  for dim, entry in enumerate(sharding.spec):
+    axes = _spec_axes(entry)
+    on_data = tuple(a for a in axes if a in data_axes)
+    if on_data and len(on_data) != len(axes):
+      raise ValueError(
+          f"A differentiated leaf of shape {jax.typeof(leaf).shape} is sharded over "
+          f"{axes} on dimension {dim}, mixing data axes {on_data} with other axes; fxaccum "
+          "needs each dimension sharded over data axes only or over none. Reorder the "
+          "sharding so data and model axes shard different dimensions."
+      )
+    if on_data:
+      dims.append((dim, on_data))
+  return tuple(dims)
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+  """The manual axes ``x`` varies over inside ``shard_map`` (``aval.vma`` before JAX 0.10)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def vary(x: Any, axes: tuple[str, ...]) -> Any:
+  """Casts every leaf to vary over ``axes`` (a no-op for axes it already varies over).
+
+  Inside ``shard_map``, ``jax.grad`` with respect to an *invariant* (replicated) value
+  sums the cotangent over the devices, i.e. an all-reduce per micro-batch; with respect
+  to a *varying* one it returns the local partial gradient.
+  """
+  if not axes:
+    return x
+
+  def cast(leaf):
+    missing = tuple(a for a in axes if a not in varying_axes(leaf))
+    return lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+  return jax.tree.map(cast, x)
+
+
+def gather(x: jax.Array, dims: DataDims) -> jax.Array:
+  """All-gathers a data-sharded leaf to its full value (identity for ``dims=()``).
+
+  Its transpose is a reduce-scatter, so gradients with respect to the shard come back
+  reduced and sharded.
+  """
+  for dim, axes in dims:
+    x = lax.all_gather(x, axes, axis=dim, tiled=True)
+  return x
+
+
+def reduce(x: jax.Array, data_axes: tuple[str, ...], dims: DataDims = ()) -> jax.Array:
+  """The data-axis reduction of a local partial sum: reduce-scatter over ``dims``'s axes,
+  then all-reduce over the remaining data axes."""
+  done: set[str] = set()
+  for dim, axes in dims:
+    x = lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+    done |= set(axes)
+  rest = tuple(a for a in data_axes if a not in done)
+  return lax.psum(x, rest) if rest else x

@@ -1,0 +1,77 @@
+"""Weighted losses and the one zero-safe global normalization.
+
+A loss that is a *sum* over valid items together with the *count* of valid items can be
+averaged exactly over any number of micro-batches and devices: add up the totals, add up
+the weights, divide once. Averaging per-micro-batch means instead weights every
+micro-batch equally, which is wrong whenever they hold different numbers of valid tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Weighted", "safe_divide", "weight_dtype"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Weighted:
+  """A loss (or metric) given as a sum over items and the number of items.
+
+  Return it from a loss function instead of a mean, e.g.
+  ``Weighted(total=jnp.sum(mask * token_loss), weight=jnp.sum(mask))``. fxaccum then
+  reports ``sum(total) / sum(weight)`` over all micro-batches and devices, and an
+  all-padding step gives 0 (never NaN).
+
+  It is a pytree (not a tuple), so it passes through ``jax.jit`` and ``lax.scan`` and
+  cannot be confused with a ``(loss, aux)`` pair.
+
+  Attributes:
+    total: scalar sum of the per-item values (differentiated).
+    weight: scalar number (or total weight) of the items in ``total``; never
+      differentiated. Integer weights are summed in int32, float weights in float32.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import fxaccum
+    >>> w = fxaccum.Weighted(total=jnp.array(6.0), weight=jnp.array(4))
+    >>> float(w.value())
+    1.5
+    >>> float(fxaccum.Weighted(jnp.array(0.0), jnp.array(0)).value())
+    0.0
+  """
+
+  total: Any
+  weight: Any
+
+  def value(self) -> jax.Array:
+    """``total / weight``, or 0 when the weight is 0."""
+    return safe_divide(self.total, self.weight)
+
+
+def weight_dtype(weight: Any) -> jnp.dtype:
+  """The dtype weights are counted in: int32 for integer weights, float32 otherwise.
+
+  Never bf16/f16: a bf16 counter stops counting exactly at 256.
+  """
+  dtype = jnp.result_type(weight)
+  if jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_):
+    return jnp.dtype(jnp.int32)
+  return jnp.dtype(jnp.float32)
+
+
+def safe_divide(numerator: Any, denominator: Any) -> jax.Array:
+  """``numerator / denominator`` in at least float32, with 0 where ``denominator`` is 0.
+
+  For integer token counts this is ``numerator / max(denominator, 1)``; unlike ``max``
+  it stays correct for fractional float weights (e.g. a total weight of 0.25).
+  """
+  numerator = jnp.asarray(numerator)
+  dtype = jnp.promote_types(numerator.dtype, jnp.float32)
+  denominator = jnp.asarray(denominator).astype(dtype)
+  nonzero = denominator != 0
+  return jnp.where(nonzero, numerator.astype(dtype) / jnp.where(nonzero, denominator, 1), 0)

@@ -1,0 +1,104 @@
+"""Shared test data, models and references (plain JAX, independent of fxaccum)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fxaccum
+
+BATCH, TOKENS, DIM, HIDDEN = 64, 8, 8, 16
+
+
+def make_data(seed: int = 0, k: int = 4, batch: int = BATCH):
+  """Token data with skewed masks: rows of micro-batch k-1 are all padding (k > 1), every
+  5th row is empty, and a few rows hold many more tokens than the rest."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(batch, TOKENS, DIM)).astype(np.float32)
+  y = rng.normal(size=(batch, TOKENS)).astype(np.float32)
+  lengths = rng.integers(1, 3, size=batch)
+  lengths[::7] = TOKENS  # a few long rows
+  lengths[2::5] = 0  # empty examples
+  if k > 1:
+    # With fxaccum's strided split, global row r falls in micro-batch r % k on any mesh.
+    lengths[np.arange(batch) % k == k - 1] = 0
+  mask = (np.arange(TOKENS)[None, :] < lengths[:, None]).astype(np.float32)
+  return {"x": x, "y": y, "mask": mask}
+
+
+def make_params(seed: int = 1):
+  rng = np.random.default_rng(seed)
+  return {
+      "w1": (rng.normal(size=(DIM, HIDDEN)) / np.sqrt(DIM)).astype(np.float32),
+      "b1": (0.1 * rng.normal(size=(HIDDEN,))).astype(np.float32),
+      "w2": (rng.normal(size=(HIDDEN, 1)) / np.sqrt(HIDDEN)).astype(np.float32),
+  }
+
+
+def row_parallel_matmul(h, w):
+  """``h @ w``; on an Explicit mesh with ``w`` sharded over its contracted dimension JAX
+  needs the output sharding spelled out (a plain-JAX rule, not fxaccum's)."""
+  sharding = jax.typeof(w).sharding
+  if sharding.spec and sharding.spec[0] is not None:
+    spec = tuple(jax.typeof(h).sharding.spec)[:-1] + (None,)
+    return jnp.matmul(h, w, out_sharding=P(*spec))
+  return h @ w
+
+
+def token_loss(params, batch):
+  h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+  pred = row_parallel_matmul(h, params["w2"])[..., 0]
+  return (pred - batch["y"]) ** 2
+
+
+def weighted_loss(params, batch):
+  """fxaccum form: summed token losses and the number of valid tokens."""
+  return fxaccum.Weighted(jnp.sum(batch["mask"] * token_loss(params, batch)),
+                          jnp.sum(batch["mask"]))
+
+
+def example_mean_loss(params, batch):
+  """Mean over the examples of the (unmasked) per-example mean token loss."""
+  return jnp.mean(token_loss(params, batch))
+
+
+def reference_token_mean(params, batch):
+  """DESIGN.md §4 reference: sum(mask*l) / max(sum(mask), 1) on the full batch."""
+  return jnp.sum(batch["mask"] * token_loss(params, batch)) / jnp.maximum(
+      jnp.sum(batch["mask"]), 1.0)
+
+
+def naive_mean_of_means(params, batch, k):
+  """The 2024 accumulation bug: average of per-micro-batch token means (0 if empty)."""
+  means = []
+  for i in range(k):
+    micro = jax.tree.map(lambda a, i=i: a[i::k], batch)
+    means.append(fxaccum.Weighted(
+        jnp.sum(micro["mask"] * token_loss(params, micro)), jnp.sum(micro["mask"])).value())
+  return jnp.mean(jnp.stack(means))
+
+
+def assert_tree_close(actual, expected, rtol=1e-5):
+  """Every leaf within rtol, relative to the leaf's largest reference magnitude."""
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(actual)[0],
+                          jax.tree.leaves(expected)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, (jax.tree_util.keystr(path), a.shape, b.shape)
+    scale = max(np.max(np.abs(b)), 1e-30)
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def mesh_of(shape, names, axis_type):
+  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
+
+
+def put(tree, mesh, specs):
+  """device_put every leaf with the PartitionSpec of the same key in `specs`."""
+  return {k: jax.device_put(v, NamedSharding(mesh, specs.get(k, P()))) for k, v in tree.items()}
+
+
+AXIS_TYPES = (AxisType.Auto, AxisType.Explicit)

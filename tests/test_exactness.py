@@ -1,0 +1,153 @@
+"""k micro-batches == one large batch, on every mesh layout (DESIGN.md §4)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import (
+    AXIS_TYPES,
+    assert_tree_close,
+    example_mean_loss,
+    make_data,
+    make_params,
+    mesh_of,
+    naive_mean_of_means,
+    put,
+    reference_token_mean,
+    weighted_loss,
+)
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import fxaccum
+
+DATA = {"x": P("data"), "y": P("data"), "mask": P("data")}
+SEQ = {"x": P("data", "seq"), "y": P("data", "seq"), "mask": P("data", "seq")}
+# name: (mesh shape, axis names, param specs, batch specs)
+LAYOUTS = {
+    "dp1": ((1,), ("data",), {}, DATA),
+    "dp2": ((2,), ("data",), {}, DATA),
+    "dp4": ((4,), ("data",), {}, DATA),
+    "dp8": ((8,), ("data",), {}, DATA),
+    "data_x_model": ((4, 2), ("data", "model"),
+                     {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}, DATA),
+    "data_x_seq": ((4, 2), ("data", "seq"), {}, SEQ),
+    "fsdp": ((8,), ("data",), {"w1": P("data", None), "b1": P("data"), "w2": P("data", None)},
+             DATA),
+}
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_matches_large_batch(layout, axis_type, k):
+  shape, names, param_specs, batch_specs = LAYOUTS[layout]
+  data, params = make_data(k=k), make_params()
+  ref_weighted = jax.value_and_grad(reference_token_mean)(params, data)
+  ref_mean = jax.value_and_grad(example_mean_loss)(params, data)
+
+  mesh = mesh_of(shape, names, axis_type)
+  accumulated = (fxaccum.value_and_grad(weighted_loss, micro_batches=k),
+                 fxaccum.value_and_grad(example_mean_loss, micro_batches=k))
+  step = jax.jit(lambda p, b: tuple(f(p, b) for f in accumulated))
+  with jax.set_mesh(mesh):
+    sharded_params = put(params, mesh, param_specs)
+    got_weighted, got_mean = step(sharded_params, put(data, mesh, batch_specs))
+
+  assert_tree_close(got_weighted, ref_weighted)
+  assert_tree_close(got_mean, ref_mean)
+  if axis_type == AxisType.Explicit:  # sharding in types: grads are typed like params
+    for name, g in got_weighted[1].items():
+      assert g.sharding.is_equivalent_to(sharded_params[name].sharding, g.ndim), name
+
+
+def test_naive_mean_of_means_is_wrong_on_the_same_data():
+  """Negative control: the skewed masks make the naive method visibly wrong."""
+  k = 4
+  data, params = make_data(k=k), make_params()
+  ref_value, ref_grads = jax.value_and_grad(reference_token_mean)(params, data)
+  naive_value, naive_grads = jax.value_and_grad(naive_mean_of_means)(params, data, k)
+  assert abs(naive_value - ref_value) / abs(ref_value) > 1e-2
+  rel = np.max(np.abs(naive_grads["w1"] - ref_grads["w1"])) / np.max(np.abs(ref_grads["w1"]))
+  assert rel > 1e-2
+
+  value, grads = fxaccum.value_and_grad(weighted_loss, micro_batches=k)(params, data)
+  assert_tree_close((value, grads), (ref_value, ref_grads))
+
+
+def test_bit_exact_analytic_case():
+  """DESIGN.md §4: token counts (8, 2, 0, 6), coefficients (1, 2, 3, 4) -> 36/16 = 2.25."""
+  counts, coefs = np.array([8, 2, 0, 6]), np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+  # Row i is micro-batch i (the split takes rows i::4).
+  mask = (np.arange(8)[None, :] < counts[:, None]).astype(np.float32)
+  batch = {"mask": mask, "coef": np.repeat(coefs[:, None], 8, axis=1)}
+
+  def loss(w, b):
+    return fxaccum.Weighted(jnp.sum(b["mask"] * b["coef"] * w), jnp.sum(b["mask"]))
+
+  value, g = fxaccum.value_and_grad(loss, micro_batches=4)(jnp.float32(1.0), batch)
+  np.testing.assert_array_equal(g, np.float32(2.25))
+  np.testing.assert_array_equal(value, np.float32(2.25))
+  naive = np.mean([c * n / max(n, 1) for c, n in zip(coefs, counts)])
+  assert naive == 1.75
+
+
+@pytest.mark.parametrize("mesh_shape", [(1,), (8,)])
+def test_all_padding_gives_zeros_not_nan(mesh_shape):
+  data, params = make_data(k=2), make_params()
+  data["mask"] = np.zeros_like(data["mask"])
+  mesh = mesh_of(mesh_shape, ("data",), AxisType.Explicit)
+  with jax.set_mesh(mesh):
+    (value, aux), grads = jax.jit(fxaccum.value_and_grad(
+        lambda p, b: (weighted_loss(p, b), {"loss": weighted_loss(p, b)}),
+        has_aux=True, micro_batches=2))(params, put(data, mesh, DATA))
+  assert float(value) == 0.0 and float(aux["loss"]) == 0.0
+  for g in jax.tree.leaves(grads):
+    np.testing.assert_array_equal(g, np.zeros_like(g))
+
+
+def test_eager_call_and_auto_fsdp_detected_from_concrete_arrays():
+  """Called outside jit, fxaccum reads the arrays' shardings (also on Auto meshes) and
+  returns FSDP gradients sharded like the params."""
+  data, params = make_data(k=4), make_params()
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  specs = LAYOUTS["fsdp"][2]
+  sharded = put(params, mesh, specs)
+  value, grads = fxaccum.value_and_grad(weighted_loss, micro_batches=4)(
+      sharded, put(data, mesh, DATA))
+  assert_tree_close((value, grads), jax.value_and_grad(reference_token_mean)(params, data))
+  for name, g in grads.items():
+    assert g.sharding.is_equivalent_to(sharded[name].sharding, g.ndim), name
+
+
+@pytest.mark.parametrize("fsdp_reduce", ["per_micro_batch", "per_step"])
+def test_fsdp_reduce_modes_are_exact(fsdp_reduce):
+  data, params = make_data(k=4), make_params()
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  with jax.set_mesh(mesh):
+    got = jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=4,
+                                         fsdp_reduce=fsdp_reduce))(
+        put(params, mesh, LAYOUTS["fsdp"][2]), put(data, mesh, DATA))
+  assert_tree_close(got, jax.value_and_grad(reference_token_mean)(params, data))
+
+
+def test_argnums_tuple_and_has_aux_match_jax():
+  data, params = make_data(k=2), make_params()
+  scale = jnp.float32(1.5)
+
+  def loss(p, s, b):
+    value = s * example_mean_loss(p, b)
+    return value, {"value": value, "count": jnp.sum(b["mask"])}
+
+  (value, aux), (gp, gs) = fxaccum.value_and_grad(
+      loss, argnums=(0, 1), has_aux=True, micro_batches=2, batch_argnums=2)(params, scale, data)
+  (ref_value, ref_aux), (rp, rs) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+      params, scale, data)
+  assert_tree_close((value, gp, gs), (ref_value, rp, rs))
+  np.testing.assert_allclose(aux["value"], ref_aux["value"], rtol=1e-6)
+  # A count aux is averaged over micro-batches: the mean count per micro-batch.
+  np.testing.assert_allclose(aux["count"], ref_aux["count"] / 2, rtol=1e-6)
+
+  grads_only, aux_only = fxaccum.grad(loss, has_aux=True, micro_batches=2, batch_argnums=2)(
+      params, scale, data)
+  assert_tree_close(grads_only, rp)
