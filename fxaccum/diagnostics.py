@@ -326,6 +326,23 @@ def _replica_groups(rest: str) -> frozenset[frozenset[int]] | None:
       ids = ids.transpose([int(p) for p in iota.group(3).split(",")])
     ids = ids.reshape(out_shape[0], -1)
     return frozenset(frozenset(g.tolist()) for g in ids)
+  mesh_form = re.search(
+      r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+      r"\s*\{([^}]*)\}", rest)
+  if mesh_form:
+    sizes = re.findall(r"'([^']+)'=(\d+)", mesh_form.group(1))
+    names = [n for n, _ in sizes]
+    shape = [int(d) for _, d in sizes]
+    ids = np.arange(math.prod(shape))
+    if mesh_form.group(2):
+      ids = ids.reshape([int(d) for d in mesh_form.group(2).split(",")])
+      if mesh_form.group(3):
+        ids = ids.transpose([int(p) for p in mesh_form.group(3).split(",")])
+    ids = ids.reshape(shape)
+    over = [names.index(a) for a in re.findall(r"'([^']+)'", mesh_form.group(4)) if a in names]
+    rest_axes = [i for i in range(len(names)) if i not in over]
+    ids = ids.transpose(rest_axes + over).reshape(-1, math.prod(shape[i] for i in over))
+    return frozenset(frozenset(g.tolist()) for g in ids)
   return None  # collective-permute pairs, or a format this parser does not read
 
 

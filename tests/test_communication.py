@@ -1,0 +1,122 @@
+"""One gradient reduction per step, read from the compiled HLO with fxaccum.diagnostics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import AXIS_TYPES, make_data, make_params, mesh_of, put, weighted_loss
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import fxaccum
+from fxaccum import diagnostics
+
+DATA = {"x": P("data"), "y": P("data"), "mask": P("data")}
+MOVES = ("all-gather", "collective-permute", "all-to-all")
+
+
+def grad_bytes(params):
+  return sum(np.asarray(p).nbytes for p in jax.tree.leaves(params))
+
+
+def naive_scan_value_and_grad(loss, k):
+  """What users write today: jit + lax.scan over micro-batches, compiler-placed sync."""
+
+  def step(params, batch):
+    micro = jax.tree.map(lambda a: a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1),
+                         batch)
+
+    def body(acc, mb):
+      w = loss(params, mb)
+      g = jax.grad(lambda p: loss(p, mb).total)(params)
+      return jax.tree.map(jnp.add, acc, (w.total, w.weight, g)), None
+
+    zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+    (total, weight, g), _ = lax.scan(body, zeros, micro)
+    return total / weight, jax.tree.map(lambda x: x / weight, g)
+
+  return step
+
+
+@pytest.mark.parametrize("k", [2, 8])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
+def test_replicated_params_reduce_once_after_the_loop(axis_type, k):
+  mesh = mesh_of((8,), ("data",), axis_type)
+  params, data = make_params(), make_data(k=k)
+  with jax.set_mesh(mesh):
+    args = (put(params, mesh, {}), put(data, mesh, DATA))
+    rep = diagnostics.report(
+        jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=k)), *args)
+    naive = diagnostics.report(jax.jit(naive_scan_value_and_grad(weighted_loss, k)), *args)
+
+  assert rep.reductions(place="loop") == [], rep.summary()
+  top = rep.reductions(place="top", axes="data")
+  assert 1 <= len(top) <= 2, rep.summary()  # XLA may or may not combine the leaves
+  # Gradients once, plus the loss total and the weight (two scalars).
+  assert grad_bytes(params) <= rep.bytes_per_call(fxaccum.diagnostics.REDUCTIONS) \
+      <= grad_bytes(params) + 64, rep.summary()
+  assert rep.count(MOVES) == 0, rep.summary()  # the micro-batch split moves no data
+
+  # Negative control: the same step written naively reduces inside the loop, k times.
+  assert naive.reductions(place="loop", axes="data"), naive.summary()
+  assert naive.bytes_per_call(diagnostics.REDUCTIONS) >= k * grad_bytes(params)
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
+def test_tensor_parallel_keeps_model_collectives_moves_data_ones(axis_type):
+  mesh = mesh_of((4, 2), ("data", "model"), axis_type)
+  specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}
+  with jax.set_mesh(mesh):
+    rep = diagnostics.report(
+        jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=4)),
+        put(make_params(), mesh, specs), put(make_data(k=4), mesh, DATA))
+  assert rep.reductions(place="loop", axes="data") == [], rep.summary()
+  assert rep.reductions(place="top", axes="data"), rep.summary()
+  # The row-parallel matmul's model-axis all-reduce stays in the loop, where the model needs it.
+  assert rep.reductions(place="loop", axes="model"), rep.summary()
+
+
+@pytest.mark.parametrize("fsdp_reduce", ["per_micro_batch", "per_step"])
+def test_fsdp_reduce_placement(fsdp_reduce):
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  specs = {"w1": P("data", None), "b1": P("data"), "w2": P("data", None)}
+  k = 4
+  with jax.set_mesh(mesh):
+    rep = diagnostics.report(
+        jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=k, fsdp_reduce=fsdp_reduce)),
+        put(make_params(), mesh, specs), put(make_data(k=k), mesh, DATA))
+  in_loop = rep.select("reduce-scatter", place="loop", axes="data")
+  if fsdp_reduce == "per_micro_batch":
+    # Memory-optimal: each micro-batch's gradient is reduce-scattered into the sharded
+    # accumulator.
+    assert in_loop and all(c.executions == k for c in in_loop), rep.summary()
+  else:
+    assert rep.reductions(place="loop") == [], rep.summary()
+    assert rep.select("reduce-scatter", place="top", axes="data"), rep.summary()
+
+
+def test_diagnostics_sees_conditional_and_loop_places():
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+
+  def per_device(x, flag):
+    in_cond = lax.cond(flag, lambda v: v + lax.psum(v, "data"), lambda v: v * 0.0, x)
+
+    def body(c, _):
+      c = c + x  # depends on the carry, so XLA cannot hoist the psum out of the loop
+      return c + lax.psum(c, "data"), None
+
+    in_loop, _ = lax.scan(body, jnp.zeros_like(in_cond), None, length=3)
+    return in_cond + in_loop
+
+  fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P()),
+                             out_specs=P("data")))
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.ones(32), jax.sharding.NamedSharding(mesh, P("data")))
+    rep = diagnostics.report(fn, x, True)
+  assert [c.place for c in rep.reductions(place="conditional")] == ["conditional"]
+  loop = rep.reductions(place="loop")
+  assert len(loop) == 1 and loop[0].executions == 3 and loop[0].axes == ("data",)
+  assert loop[0].bytes == 16
+  assert rep.memory is not None and rep.memory.argument_bytes > 0
+  assert "conditional" in rep.summary()
