@@ -222,7 +222,7 @@ def _is_traced(*trees: Any) -> bool:
 
 
 def _check_differentiable(diff: Sequence[Any], diff_argnums: tuple[int, ...]) -> None:
-  for argnum, tree in zip(diff_argnums, diff):
+  for argnum, tree in zip(diff_argnums, diff, strict=True):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
       dtype = jnp.result_type(leaf)
       if not jnp.issubdtype(dtype, jnp.inexact):
@@ -315,7 +315,7 @@ def _accumulate(config, layout, diff_leaves, diff_def, rest, kwargs):
   gather_in_loop = [dims if not per_step else () for dims in layout.param_dims]
   whole = [
       sync.gather(leaf, dims) if per_step else leaf
-      for leaf, dims in zip(diff_leaves, layout.param_dims)
+      for leaf, dims in zip(diff_leaves, layout.param_dims, strict=True)
   ]
   # Varying (per-device) params: jax.grad then returns local partial sums, no psum.
   whole = sync.vary(whole, axes)
@@ -332,8 +332,8 @@ def _accumulate(config, layout, diff_leaves, diff_def, rest, kwargs):
       call_args[i] = split.fold(rest[i], device * k + index)
 
     def compute(leaves):
-      full = [sync.gather(leaf, dims) for leaf, dims in zip(leaves, gather_in_loop)]
-      for i, value in zip(config.diff_argnums, jax.tree.unflatten(diff_def, full)):
+      full = [sync.gather(leaf, dims) for leaf, dims in zip(leaves, gather_in_loop, strict=True)]
+      for i, value in zip(config.diff_argnums, jax.tree.unflatten(diff_def, full), strict=True):
         call_args[i] = value
       with jax.named_scope("fxaccum_compute"):
         out = config.fun(*call_args, **kwargs)
@@ -367,7 +367,7 @@ def _accumulate(config, layout, diff_leaves, diff_def, rest, kwargs):
   def body(carry, index):
     grad_acc, total_acc, weight_acc, aux_acc = carry
     total, weight, aux, grads = body_outputs(index)
-    grad_acc = [acc + g.astype(acc.dtype) for acc, g in zip(grad_acc, grads)]
+    grad_acc = [acc + g.astype(acc.dtype) for acc, g in zip(grad_acc, grads, strict=True)]
     aux_acc = jax.tree.map(
         lambda acc, a: _aux_add(acc, a, weight), aux_acc, aux, is_leaf=_is_weighted
     )
@@ -385,7 +385,7 @@ def _accumulate(config, layout, diff_leaves, diff_def, rest, kwargs):
     total, weight = sync.reduce(total, axes), sync.reduce(weight, axes)
     grads = []
     for acc, leaf, dims, loop_dims in zip(grad_acc, diff_leaves, layout.param_dims,
-                                          gather_in_loop):
+                                          gather_in_loop, strict=True):
       # In-loop gathers already reduce-scattered over their axes each micro-batch.
       scattered = {a for _, dim_axes in loop_dims for a in dim_axes}
       remaining = tuple(a for a in axes if a not in scattered)

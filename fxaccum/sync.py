@@ -98,7 +98,8 @@ def _known_axes(sharding: NamedSharding, concrete: bool) -> set[str]:
   mesh = sharding.mesh
   if concrete:
     return set(mesh.axis_names)
-  return {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+  types = zip(mesh.axis_names, mesh.axis_types, strict=True)
+  return {a for a, t in types if t == AxisType.Explicit}
 
 
 def _spec_axes(entry: Any) -> tuple[str, ...]:
@@ -119,7 +120,7 @@ def _find_mesh(leaves: Sequence[Any]) -> Any:
 
 
 def _manual_axes(mesh: Any) -> set[str]:
-  return {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual}
+  return {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Manual}
 
 
 def plan(

@@ -89,7 +89,8 @@ def assert_tree_close(actual, expected, rtol=1e-5, floor=1e-3):
   assert len(jax.tree.leaves(actual)) == len(expected_leaves)
   tree_scale = max(float(np.max(np.abs(np.asarray(b, np.float64)), initial=0))
                    for b in expected_leaves)
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(actual)[0], expected_leaves):
+  actual_leaves = jax.tree_util.tree_flatten_with_path(actual)[0]
+  for (path, a), b in zip(actual_leaves, expected_leaves, strict=True):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert a.shape == b.shape, (jax.tree_util.keystr(path), a.shape, b.shape)
     scale = max(np.max(np.abs(b), initial=0), floor * tree_scale, 1e-30)

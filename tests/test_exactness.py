@@ -88,7 +88,7 @@ def test_bit_exact_analytic_case():
   value, g = fxaccum.value_and_grad(loss, micro_batches=4)(jnp.float32(1.0), batch)
   np.testing.assert_array_equal(g, np.float32(2.25))
   np.testing.assert_array_equal(value, np.float32(2.25))
-  naive = np.mean([c * n / max(n, 1) for c, n in zip(coefs, counts)])
+  naive = np.mean([c * n / max(n, 1) for c, n in zip(coefs, counts, strict=True)])
   assert naive == 1.75
 
 

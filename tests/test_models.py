@@ -219,5 +219,5 @@ def test_sgd_and_adam_steps_match_large_batch(k):
         states[name] = (optax.apply_updates(p, updates), opt_state)
     # Adam divides each coordinate by sqrt(v): a rounding-level difference in a near-zero
     # gradient coordinate moves its update by a fraction of lr: each update agrees to 1% of lr.
-    for got, want in zip(jax.tree.leaves(states["ours"]), jax.tree.leaves(states["theirs"])):
+    for got, want in zip(*(jax.tree.leaves(states[n]) for n in ("ours", "theirs")), strict=True):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-2 * lr * steps)

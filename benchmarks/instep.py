@@ -1,0 +1,543 @@
+"""In-step gradient accumulation vs. the alternatives, as full Adam train steps.
+
+Run from the repository root::
+
+  python benchmarks/instep.py            # full run (a few minutes on 2 CPU cores)
+  python benchmarks/instep.py --quick    # tiny sizes, smoke test
+
+Every method runs on the same model and global batch, on an 8-device 1-D mesh
+``("data",)`` (simulated CPU devices unless an accelerator is present) with params
+replicated and the batch sharded ``P("data")``:
+
+* ``large_batch``: ``jax.value_and_grad`` on the whole batch (no accumulation);
+* ``fxaccum_k{k}``: ``fxaccum.value_and_grad(loss, micro_batches=k)``;
+* ``plain_scan_k8``: a hand-written ``jit`` + ``lax.scan`` over 8 strided micro-batches;
+* ``multisteps_k8``: ``optax.MultiSteps(adam, every_k_schedule=8)``, 8 jitted calls per
+  optimizer step;
+* ``optax_microbatch_k8``: ``optax.microbatching.microbatch`` over ``jax.value_and_grad``
+  (a ``fori_loop`` over 8 micro-batches, MEAN accumulator);
+* ``micro_grad_k8``: ``optax.microbatching.micro_grad`` (per-example gradients, vmapped
+  within each of 8 micro-batches, MEAN accumulator);
+* ``grad_only_large`` / ``grad_only_fxaccum_k8``: the gradient computations alone, with no
+  optimizer, to separate "8 small matmuls cost more than 1 large one" from the rest.
+
+For each method: median wall time per optimizer step, gradient-reduction bytes per
+optimizer step and the number of reductions inside loops (from
+:mod:`fxaccum.diagnostics`), compiled temp memory, and the max relative error against
+``large_batch`` (of the gradient, or of the params after one optimizer step). Results go
+to a markdown table on stdout and to a JSON file (``--out``).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import flax  # noqa: E402
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import fxaccum  # noqa: E402
+from fxaccum import diagnostics  # noqa: E402
+
+DEVICES = 8
+K_REF = 8  # micro-batches of the baselines (plain scan, MultiSteps, optax.microbatching)
+LR = 1e-3
+
+
+# --------------------------------------------------------------------------- models
+
+
+class MLP(nn.Module):
+  """in -> width, ``depth`` x (width -> width), -> out, with gelu."""
+
+  width: int
+  depth: int
+  out: int
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.gelu(nn.Dense(self.width)(x))
+    for _ in range(self.depth):
+      x = nn.gelu(nn.Dense(self.width)(x))
+    return nn.Dense(self.out)(x)
+
+
+class Block(nn.Module):
+  """Pre-LN causal self-attention + 4x MLP."""
+
+  width: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, x, mask):
+    x = x + nn.SelfAttention(num_heads=self.heads)(nn.LayerNorm()(x), mask=mask)
+    h = nn.gelu(nn.Dense(4 * self.width)(nn.LayerNorm()(x)))
+    return x + nn.Dense(self.width)(h)
+
+
+class Embed(nn.Module):
+  """Token embedding whose gather spells out its output sharding (Explicit meshes need it
+  for a replicated table indexed by data-sharded tokens; ``nn.Embed`` leaves it out)."""
+
+  vocab: int
+  width: int
+
+  @nn.compact
+  def __call__(self, tokens):
+    table = self.param("embedding", nn.initializers.normal(1.0), (self.vocab, self.width))
+    spec = tuple(jax.typeof(tokens).sharding.spec)
+    spec += (None,) * (tokens.ndim - len(spec))
+    return table.at[tokens].get(out_sharding=P(*spec, None))
+
+
+class LM(nn.Module):
+  """A small causal transformer language model."""
+
+  vocab: int
+  width: int
+  layers: int
+  heads: int
+  seq: int
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = Embed(self.vocab, self.width)(tokens)
+    x = x + self.param("pos", nn.initializers.normal(0.02), (self.seq, self.width))
+    mask = nn.make_causal_mask(tokens)
+    for _ in range(self.layers):
+      x = Block(self.width, self.heads)(x, mask)
+    return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def mlp_setup(quick: bool) -> dict[str, Any]:
+  """The MLP regression problem: model, loss, params and the global batch (host arrays)."""
+  width, depth, dim, batch = (64, 2, 8, 64) if quick else (1024, 4, 32, 512)
+  model = MLP(width=width, depth=depth, out=dim)
+  rng = np.random.default_rng(0)
+  data = {"x": rng.normal(size=(batch, dim)).astype(np.float32),
+          "y": rng.normal(size=(batch, dim)).astype(np.float32)}
+  params = model.init(jax.random.key(0), data["x"][:1])
+
+  def loss_fn(params, batch):
+    return jnp.mean((model.apply(params, batch["x"]) - batch["y"]) ** 2)
+
+  config = {"width": width, "hidden_layers": depth, "in_out_dim": dim, "global_batch": batch}
+  return {"loss": loss_fn, "params": params, "batch": data, "config": config}
+
+
+def lm_setup(quick: bool) -> dict[str, Any]:
+  """The LM problem: next-token cross-entropy (mean over tokens) on random tokens."""
+  vocab, width, seq = (64, 32, 32) if quick else (256, 128, 256)
+  layers, heads, batch = 2, 4, 64
+  model = LM(vocab=vocab, width=width, layers=layers, heads=heads, seq=seq)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, vocab, size=(batch, seq + 1)).astype(np.int32)
+  data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  params = model.init(jax.random.key(0), data["inputs"][:1])
+
+  def loss_fn(params, batch):
+    logits = model.apply(params, batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+  config = {"vocab": vocab, "width": width, "layers": layers, "heads": heads, "seq": seq,
+            "global_batch": batch}
+  return {"loss": loss_fn, "params": params, "batch": data, "config": config}
+
+
+# ------------------------------------------------------------------ gradient methods
+
+
+def plain_scan_value_and_grad(loss_fn: Callable, k: int) -> Callable:
+  """What users write today: strided split, ``lax.scan`` of ``jax.value_and_grad``, mean."""
+
+  def split(x):
+    spec = jax.typeof(x).sharding.spec
+    rest = (None,) * (x.ndim - 1)
+    x = jnp.reshape(x, (x.shape[0] // k, k, *x.shape[1:]),
+                    out_sharding=P(spec[0] if spec else None, None, *rest))
+    return jnp.swapaxes(x, 0, 1)  # micro-batch i = rows i::k
+
+  def value_and_grad(params, batch):
+    def body(carry, micro):
+      loss, grads = jax.value_and_grad(loss_fn)(params, micro)
+      total, acc = carry
+      return (total + loss, jax.tree.map(jnp.add, acc, grads)), None
+
+    init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (total, acc), _ = lax.scan(body, init, jax.tree.map(split, batch))
+    return total / k, jax.tree.map(lambda g: g / k, acc)
+
+  return value_and_grad
+
+
+def optax_microbatch_value_and_grad(loss_fn: Callable, k: int, batch_size: int) -> Callable:
+  """``optax.microbatching.microbatch`` over ``jax.value_and_grad`` (mean of k means)."""
+  mean = optax.microbatching.AccumulationType.MEAN
+  return optax.microbatching.microbatch(
+      jax.value_and_grad(loss_fn), argnums=1, microbatch_size=batch_size // k,
+      accumulator=mean)
+
+
+def micro_grad_value_and_grad(loss_fn: Callable, k: int, batch_size: int) -> Callable:
+  """``optax.microbatching.micro_grad``: per-example grads, averaged, k micro-batches."""
+  fn = optax.microbatching.micro_grad(
+      loss_fn, argnums=0, batch_argnums=1, microbatch_size=batch_size // k,
+      accumulator=optax.microbatching.AccumulationType.MEAN)
+
+  def value_and_grad(params, batch):
+    grads, aux = fn(params, batch)
+    return jnp.mean(aux.values), grads
+
+  return value_and_grad
+
+
+def train_step(value_and_grad: Callable, tx: optax.GradientTransformation) -> Callable:
+  """(params, opt_state, batch) -> (params, opt_state, loss), unjitted."""
+
+  def step(params, opt_state, batch):
+    loss, grads = value_and_grad(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
+# ------------------------------------------------------------------------ measuring
+
+
+def rel_err(actual: Any, expected: Any) -> float:
+  """Max over leaves of max|a - b| / max|b| (float64)."""
+  worst = 0.0
+  for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(float(np.max(np.abs(b), initial=0.0)), 1e-30)
+    worst = max(worst, float(np.max(np.abs(a - b), initial=0.0)) / scale)
+  return worst
+
+
+def compile_and_report(fn: Callable, mesh: Any, *args: Any) -> tuple[Any, diagnostics.Report]:
+  """Compiles ``jax.jit(fn)`` once for ``args``; the executable and its diagnostics."""
+  compiled = jax.jit(fn).lower(*args).compile()
+  return compiled, diagnostics.from_compiled(compiled, mesh=mesh)
+
+
+def time_ms(run: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
+  """Median wall time of ``run()`` in ms over ``repeats`` runs, after one warm-up."""
+  jax.block_until_ready(run())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(run())
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times), times
+
+
+def comm_figures(rep: diagnostics.Report, calls: int = 1) -> dict[str, Any]:
+  """Gradient-reduction bytes per optimizer step, loop reductions, temp memory."""
+  reductions = rep.reductions()
+  return {
+      "reduction_bytes_per_step": calls * rep.bytes_per_call(diagnostics.REDUCTIONS),
+      "reductions_per_call": len(reductions),
+      "reductions_in_loops": len(rep.reductions(place="loop")),
+      "temp_bytes": rep.memory.temp_bytes if rep.memory else None,
+      "peak_bytes": rep.memory.peak_bytes if rep.memory else None,
+  }
+
+
+def run_model(name: str, setup: dict[str, Any], mesh: Any, ks: list[int], repeats: int,
+              log: Callable[[str], None]) -> dict[str, Any]:
+  """Every method on one model; a dict method -> figures (or a skip reason)."""
+  loss_fn, batch_size = setup["loss"], setup["config"]["global_batch"]
+  replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  params = jax.device_put(setup["params"], replicated)
+  batch = jax.device_put(setup["batch"], sharded)
+  tx = optax.adam(LR)
+  opt_state = jax.jit(tx.init)(params)
+  results: dict[str, Any] = {}
+
+  def record(method: str, fn: Callable[[], dict[str, Any]]) -> None:
+    start = time.perf_counter()
+    try:
+      results[method] = fn()
+    except Exception as e:  # noqa: BLE001 - a failing method is reported, not fatal
+      traceback.print_exc()
+      results[method] = {"skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    results[method]["bench_seconds"] = round(time.perf_counter() - start, 2)
+    log(f"  {name}/{method}: {_brief(results[method])}")
+
+  ref: dict[str, Any] = {}
+
+  def grad_method(value_and_grad: Callable, note: str = "") -> Callable[[], dict[str, Any]]:
+    """A train step built on ``value_and_grad`` (params, batch) -> (loss, grads)."""
+
+    def measure():
+      step, step_rep = compile_and_report(train_step(value_and_grad, tx), mesh,
+                                          params, opt_state, batch)
+      ms, times = time_ms(lambda: step(params, opt_state, batch), repeats)
+      grads_fn = jax.jit(value_and_grad)
+      loss, grads = grads_fn(params, batch)
+      new_params, _, _ = step(params, opt_state, batch)
+      out = {"ms_per_step": ms, "times_ms": times, **comm_figures(step_rep),
+             "loss": float(loss), "note": note}
+      if "grads" not in ref:  # the first method is large_batch, the reference
+        ref.update(grads=grads, params=new_params, loss=float(loss))
+      out["grad_rel_err"] = rel_err(grads, ref["grads"])
+      out["params_rel_err"] = rel_err(new_params, ref["params"])
+      out["update_rel_err"] = _update_rel_err(new_params, ref["params"], params)
+      out["rel_err"], out["rel_err_of"] = out["grad_rel_err"], "grads"
+      return out
+
+    return measure
+
+  def grad_only(value_and_grad: Callable) -> Callable[[], dict[str, Any]]:
+    def measure():
+      fn, rep = compile_and_report(value_and_grad, mesh, params, batch)
+      ms, times = time_ms(lambda: fn(params, batch), repeats)
+      loss, grads = fn(params, batch)
+      return {"ms_per_step": ms, "times_ms": times, **comm_figures(rep), "loss": float(loss),
+              "rel_err": rel_err(grads, ref["grads"]), "rel_err_of": "grads",
+              "note": "gradients only, no optimizer"}
+
+    return measure
+
+  def multisteps():
+    k = K_REF
+    ms_tx = optax.MultiSteps(optax.adam(LR), every_k_schedule=k)
+    ms_state = jax.jit(ms_tx.init)(params)
+    micro = [jax.device_put(jax.tree.map(lambda a, i=i: a[i::k], setup["batch"]), sharded)
+             for i in range(k)]
+
+    def micro_step(params, state, micro_batch):
+      loss, grads = jax.value_and_grad(loss_fn)(params, micro_batch)
+      updates, state = ms_tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state, loss
+
+    step, rep = compile_and_report(micro_step, mesh, params, ms_state, micro[0])
+
+    def optimizer_step():
+      p, s = params, ms_state
+      for m in micro:
+        p, s, _ = step(p, s, m)
+      return p, s
+
+    ms, times = time_ms(optimizer_step, repeats)
+    new_params, _ = optimizer_step()
+    # The gradient MultiSteps hands to Adam: its running mean after k micro-steps (read
+    # from a MultiSteps that would apply after k + 1, so the accumulator is not reset).
+    probe_tx = optax.MultiSteps(optax.adam(LR), every_k_schedule=k + 1)
+    probe = jax.jit(lambda p, s, m: probe_tx.update(jax.grad(loss_fn)(p, m), s, p)[1])
+    state = jax.jit(probe_tx.init)(params)
+    for m in micro:
+      state = probe(params, state, m)
+    out = {"ms_per_step": ms, "times_ms": times, **comm_figures(rep, calls=k),
+           "calls_per_step": k,
+           "note": f"{k} jitted calls per optimizer step; bytes = {k} x per call"}
+    out["grad_rel_err"] = rel_err(state.acc_grads, ref["grads"])
+    out["params_rel_err"] = rel_err(new_params, ref["params"])
+    out["update_rel_err"] = _update_rel_err(new_params, ref["params"], params)
+    out["rel_err"], out["rel_err_of"] = out["grad_rel_err"], "grads (MultiSteps acc_grads)"
+    return out
+
+  record("large_batch", grad_method(jax.value_and_grad(loss_fn)))
+  for k in ks:
+    record(f"fxaccum_k{k}", grad_method(fxaccum.value_and_grad(loss_fn, micro_batches=k)))
+  record(f"plain_scan_k{K_REF}", grad_method(plain_scan_value_and_grad(loss_fn, K_REF)))
+  record(f"multisteps_k{K_REF}", multisteps)
+  record(f"optax_microbatch_k{K_REF}", grad_method(
+      optax_microbatch_value_and_grad(loss_fn, K_REF, batch_size),
+      "optax.microbatching.microbatch(jax.value_and_grad(loss), MEAN)"))
+  record(f"micro_grad_k{K_REF}", grad_method(
+      micro_grad_value_and_grad(loss_fn, K_REF, batch_size),
+      "optax.microbatching.micro_grad (per-example grads, MEAN)"))
+  record("grad_only_large", grad_only(jax.value_and_grad(loss_fn)))
+  record(f"grad_only_fxaccum_k{K_REF}",
+         grad_only(fxaccum.value_and_grad(loss_fn, micro_batches=K_REF)))
+  return results
+
+
+def _update_rel_err(new_params: Any, ref_params: Any, old_params: Any) -> float:
+  """rel_err of the one-step update (new - old) against the reference update."""
+  delta = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                       new_params, old_params)
+  ref_delta = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                           ref_params, old_params)
+  return rel_err(delta, ref_delta)
+
+
+def _brief(r: dict[str, Any]) -> str:
+  if "skipped" in r:
+    return f"SKIPPED ({r['skipped']})"
+  return (f"{r['ms_per_step']:.1f} ms, {r['reduction_bytes_per_step'] / 2**20:.2f} MiB reduced, "
+          f"temp {r['temp_bytes'] / 2**20:.1f} MiB, err {r['rel_err']:.1e}")
+
+
+# -------------------------------------------------------------------------- report
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+  return None if a is None or b is None or b == 0 else a / b
+
+
+def targets(results: dict[str, dict[str, Any]], ks: list[int]) -> dict[str, Any]:
+  """The headline ratios (fxaccum_k8 vs the baselines; lm temp memory vs k)."""
+  out: dict[str, Any] = {}
+  f8 = f"fxaccum_k{K_REF}"
+  for model, res in results.items():
+    def get(method, key, res=res):
+      r = res.get(method, {})
+      return r.get(key)
+
+    t = {
+        "time_fxaccum_k8_over_plain_scan_k8": _ratio(get(f8, "ms_per_step"),
+                                                     get(f"plain_scan_k{K_REF}", "ms_per_step")),
+        "time_fxaccum_k8_over_multisteps_k8": _ratio(get(f8, "ms_per_step"),
+                                                     get(f"multisteps_k{K_REF}", "ms_per_step")),
+        "time_fxaccum_k8_over_large_batch": _ratio(get(f8, "ms_per_step"),
+                                                   get("large_batch", "ms_per_step")),
+        "time_fxaccum_k8_over_optax_microbatch_k8": _ratio(
+            get(f8, "ms_per_step"), get(f"optax_microbatch_k{K_REF}", "ms_per_step")),
+        "grad_only_time_fxaccum_k8_over_large": _ratio(get(f"grad_only_fxaccum_k{K_REF}",
+                                                           "ms_per_step"),
+                                                       get("grad_only_large", "ms_per_step")),
+        "bytes_fxaccum_k8_over_plain_scan_k8": _ratio(
+            get(f8, "reduction_bytes_per_step"),
+            get(f"plain_scan_k{K_REF}", "reduction_bytes_per_step")),
+        "bytes_fxaccum_k8_over_multisteps_k8": _ratio(
+            get(f8, "reduction_bytes_per_step"),
+            get(f"multisteps_k{K_REF}", "reduction_bytes_per_step")),
+        "bytes_fxaccum_k8_over_large_batch": _ratio(
+            get(f8, "reduction_bytes_per_step"), get("large_batch", "reduction_bytes_per_step")),
+    }
+    step_gap = _diff(get(f8, "ms_per_step"), get("large_batch", "ms_per_step"))
+    grad_gap = _diff(get(f"grad_only_fxaccum_k{K_REF}", "ms_per_step"),
+                     get("grad_only_large", "ms_per_step"))
+    t["step_gap_ms_fxaccum_k8_minus_large"] = step_gap
+    t["grad_only_gap_ms_fxaccum_k8_minus_large"] = grad_gap
+    t["share_of_step_gap_explained_by_grad_compute"] = _ratio(grad_gap, step_gap)
+    temps = {k: get(f"fxaccum_k{k}", "temp_bytes") for k in ks}
+    t["temp_bytes_by_k"] = temps
+    t["temp_bytes_large_batch"] = get("large_batch", "temp_bytes")
+    if K_REF in ks and 1 in ks:
+      t["temp_ratio_k8_over_k1"] = _ratio(temps[K_REF], temps[1])
+    t["temp_ratio_fxaccum_k8_over_large_batch"] = _ratio(get(f8, "temp_bytes"),
+                                                         get("large_batch", "temp_bytes"))
+    out[model] = t
+  return out
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+  return None if a is None or b is None else a - b
+
+
+def markdown(results: dict[str, dict[str, Any]]) -> str:
+  """One table over all models and methods."""
+  lines = [
+      "| model | method | ms / opt step | reduced MiB / step | reductions in loops "
+      "| temp MiB | max rel err vs large_batch |",
+      "|---|---|---:|---:|---:|---:|---:|",
+  ]
+  for model, res in results.items():
+    for method, r in res.items():
+      if "skipped" in r:
+        lines.append(f"| {model} | {method} | skipped: {r['skipped']} | | | | |")
+        continue
+      temp = "n/a" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.1f}"
+      lines.append(
+          f"| {model} | {method} | {r['ms_per_step']:.1f} "
+          f"| {r['reduction_bytes_per_step'] / 2**20:.2f} | {r['reductions_in_loops']} "
+          f"| {temp} | {r['rel_err']:.1e} |")
+  return "\n".join(lines)
+
+
+def main() -> None:
+  """Parses the flags, runs every model and method, prints and writes the results."""
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="benchmarks/results/instep.json", help="JSON path")
+  parser.add_argument("--repeats", type=int, default=5, help="timed runs per method")
+  parser.add_argument("--lm-repeats", type=int, default=3,
+                      help="timed runs per method for the (slower) lm model")
+  parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat")
+  parser.add_argument("--ks", default="1,2,4,8", help="fxaccum micro-batch counts")
+  parser.add_argument("--models", default="mlp,lm", help="comma-separated subset of mlp,lm")
+  args = parser.parse_args()
+  ks = [int(k) for k in args.ks.split(",") if k]
+  repeats = 1 if args.quick else args.repeats
+  lm_repeats = 1 if args.quick else min(args.lm_repeats, args.repeats)
+  started = time.perf_counter()
+
+  def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - started:7.1f}s] {msg}", flush=True)
+
+  if jax.device_count() < DEVICES:
+    raise SystemExit(f"needs {DEVICES} devices, found {jax.device_count()}")
+  mesh = jax.make_mesh((DEVICES,), ("data",))
+  setups = {"mlp": (mlp_setup, repeats), "lm": (lm_setup, lm_repeats)}
+  results: dict[str, dict[str, Any]] = {}
+  configs: dict[str, Any] = {}
+  with jax.set_mesh(mesh):
+    for name in args.models.split(","):
+      make, reps = setups[name]
+      setup = make(args.quick)
+      n_params = sum(np.size(p) for p in jax.tree.leaves(setup["params"]))
+      configs[name] = {**setup["config"], "params": int(n_params), "repeats": reps}
+      log(f"{name}: {configs[name]}")
+      results[name] = run_model(name, setup, mesh, ks, reps, log)
+
+  table = markdown(results)
+  total = time.perf_counter() - started
+  device = jax.devices()[0]
+  payload = {
+      "benchmark": "instep",
+      "command": "python benchmarks/instep.py" + (" --quick" if args.quick else ""),
+      "quick": args.quick,
+      "ks": ks,
+      "k_baselines": K_REF,
+      "optimizer": f"optax.adam({LR})",
+      "mesh": {"shape": [DEVICES], "axes": ["data"], "params": "P()", "batch": "P('data')"},
+      "device_kind": device.device_kind,
+      "platform": device.platform,
+      "device_count": jax.device_count(),
+      "host_cpus": os.cpu_count(),
+      "versions": {"jax": jax.__version__, "flax": flax.__version__,
+                   "optax": optax.__version__, "fxaccum": fxaccum.__version__,
+                   "python": platform.python_version()},
+      "models": configs,
+      "results": results,
+      "targets": targets(results, ks),
+      "total_seconds": round(total, 1),
+      "table_markdown": table,
+  }
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(payload, f, indent=2, default=str)
+  print()
+  print(table)
+  print()
+  for model, t in payload["targets"].items():
+    print(f"{model} targets: " + ", ".join(
+        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.items()))
+  print(f"\nwrote {args.out}; total {total:.1f} s on {jax.device_count()} x "
+        f"{device.device_kind} ({device.platform})")
+
+
+if __name__ == "__main__":
+  main()
