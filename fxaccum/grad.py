@@ -9,6 +9,7 @@ data-parallel devices once, after the loop (see :mod:`fxaccum.sync`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -203,11 +204,19 @@ def grad(
   return grad_fn
 
 
+@dataclasses.dataclass(frozen=True)
 class _Config:
   """Static configuration of one ``value_and_grad`` (closed over, never traced)."""
 
-  def __init__(self, **fields):
-    self.__dict__.update(fields)
+  fun: Callable[..., Any]
+  has_aux: bool
+  micro_batches: int
+  diff_argnums: tuple[int, ...]
+  single_argnum: bool
+  batch_argnums: tuple[int, ...]
+  rng_argnums: tuple[int, ...]
+  accum_dtype: Any
+  fsdp_reduce: FsdpReduce
 
 
 def _as_axes(data_axes: str | Sequence[str]) -> tuple[str, ...]:
@@ -274,6 +283,10 @@ def _is_weighted(x: Any) -> bool:
   return isinstance(x, Weighted)
 
 
+def _specs_like(tree: Any, spec: P) -> Any:
+  return jax.tree.map(lambda _: spec, tree)
+
+
 def _run(config: _Config, layout: sync.Layout, args: tuple, kwargs: dict) -> Any:
   """The whole accumulation for one layout; jit-traceable."""
   diff = tuple(args[i] for i in config.diff_argnums)
@@ -286,17 +299,19 @@ def _run(config: _Config, layout: sync.Layout, args: tuple, kwargs: dict) -> Any
   if layout.data_axes:
     batch_spec = P(layout.data_axes)
     rest_specs = tuple(
-        jax.tree.map(lambda _: batch_spec, a) if i in config.batch_argnums
-        else jax.tree.map(lambda _: P(), a)
+        _specs_like(a, batch_spec if i in config.batch_argnums else P())
         for i, a in enumerate(rest)
     )
+    kwargs_specs = _specs_like(kwargs, P())
     param_specs = [layout.param_spec(i) for i in range(len(diff_leaves))]
-    aux_spec = P()
+    diff_leaves, rest, kwargs = jax.tree.map(
+        lambda x, spec: sync.conform(x, spec, layout.data_axes),
+        (diff_leaves, rest, kwargs), (param_specs, rest_specs, kwargs_specs))
     local = jax.shard_map(
         local,
         mesh=layout.mesh,
-        in_specs=(param_specs, rest_specs, jax.tree.map(lambda _: P(), kwargs)),
-        out_specs=(aux_spec, param_specs),
+        in_specs=(param_specs, rest_specs, kwargs_specs),
+        out_specs=(P(), param_specs),
         axis_names=set(layout.data_axes),
     )
   (value, aux), grad_leaves = local(diff_leaves, rest, kwargs)

@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Layout", "plan", "vary", "gather", "reduce", "CONVENTIONAL_DATA_AXES"]
+__all__ = ["Layout", "plan", "conform", "vary", "gather", "reduce", "CONVENTIONAL_DATA_AXES"]
 
 #: Auto mesh axes assumed to carry the batch when JAX cannot show its sharding.
 CONVENTIONAL_DATA_AXES = ("replica", "data", "batch", "dp", "fsdp")
@@ -200,6 +200,33 @@ def _data_dims(leaf: Any, data_axes: tuple[str, ...]) -> DataDims:
     if on_data:
       dims.append((dim, on_data))
   return tuple(dims)
+
+
+def conform(x: Any, spec: P, data_axes: tuple[str, ...]) -> Any:
+  """Reshards a leaf typed on an Explicit mesh so its data-axis sharding is ``spec``.
+
+  ``shard_map`` requires its in_specs to equal the argument types on Explicit axes (e.g.
+  a batch typed replicated when ``data_axes`` says it is split); non-data axes are kept.
+  Leaves without Explicit data axes are returned unchanged.
+  """
+  sharding, _ = _named_sharding(x)
+  if sharding is None:
+    return x
+  mesh = sharding.mesh
+  explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+              if t == AxisType.Explicit}
+  if not explicit & set(data_axes):
+    return x
+  ndim = len(jax.typeof(x).shape)
+  current = [*sharding.spec] + [None] * (ndim - len(sharding.spec))
+  wanted = [*spec] + [None] * (ndim - len(spec))
+  entries = []
+  for have, want in zip(current, wanted, strict=True):
+    axes = _spec_axes(want) + tuple(a for a in _spec_axes(have) if a not in data_axes)
+    entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  if tuple(entries) == tuple(current):
+    return x
+  return jax.sharding.reshard(x, P(*entries))
 
 
 def varying_axes(x: Any) -> frozenset[str]:

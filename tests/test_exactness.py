@@ -151,3 +151,25 @@ def test_argnums_tuple_and_has_aux_match_jax():
   grads_only, aux_only = fxaccum.grad(loss, has_aux=True, micro_batches=2, batch_argnums=2)(
       params, scale, data)
   assert_tree_close(grads_only, rp)
+
+
+def test_auto_mesh_without_set_mesh_context():
+  """The mesh is found from the arguments' shardings; 'data' is taken by its name."""
+  data, params = make_data(k=2), make_params()
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  f = jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=2))
+  args = (put(params, mesh, {}), put(data, mesh, DATA))
+  assert_tree_close(f(*args), jax.value_and_grad(reference_token_mean)(params, data))
+  rep = fxaccum.diagnostics.report(f, *args)
+  assert rep.reductions(place="loop") == [] and rep.reductions(place="top", axes="data")
+
+
+def test_explicit_data_axes_reshard_a_replicated_batch():
+  """data_axes given for a batch typed replicated on an Explicit mesh: fxaccum reshards it
+  (shard_map needs in_specs equal to the types) instead of failing."""
+  data, params = make_data(k=2), make_params()
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  with jax.set_mesh(mesh):
+    got = jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=2, data_axes="data"))(
+        put(params, mesh, {}), put(data, mesh, {}))
+  assert_tree_close(got, jax.value_and_grad(reference_token_mean)(params, data))
