@@ -165,13 +165,17 @@ def value_and_grad(
                        axes_override)
     split.leading_size(batch, micro_batches, layout.data_devices)
 
-    run = functools.partial(_run, config, layout)
+    # Keyword arguments reach `fun` as given (like jax.value_and_grad): not split, not
+    # differentiated, not traced by fxaccum.
+    run = functools.partial(_run, config, layout, kwargs)
     if _is_traced(args, kwargs):
-      return run(args, kwargs)
-    # Eager call: compile the whole accumulation once per layout, like a jitted step.
+      return run(args)
+    # Eager call: compile the whole accumulation, once per layout when there are no kwargs.
+    if kwargs:
+      return jax.jit(run)(args)
     if layout not in compiled_for_layout:
       compiled_for_layout[layout] = jax.jit(run)
-    return compiled_for_layout[layout](args, kwargs)
+    return compiled_for_layout[layout](args)
 
   return value_and_grad_fn
 
@@ -287,13 +291,13 @@ def _specs_like(tree: Any, spec: P) -> Any:
   return jax.tree.map(lambda _: spec, tree)
 
 
-def _run(config: _Config, layout: sync.Layout, args: tuple, kwargs: dict) -> Any:
+def _run(config: _Config, layout: sync.Layout, kwargs: dict, args: tuple) -> Any:
   """The whole accumulation for one layout; jit-traceable."""
   diff = tuple(args[i] for i in config.diff_argnums)
   diff_leaves, diff_def = jax.tree.flatten(diff)
   rest = tuple(a if i not in config.diff_argnums else None for i, a in enumerate(args))
 
-  def local(diff_leaves, rest, kwargs):
+  def local(diff_leaves, rest):
     return _accumulate(config, layout, diff_leaves, diff_def, rest, kwargs)
 
   if layout.data_axes:
@@ -302,19 +306,18 @@ def _run(config: _Config, layout: sync.Layout, args: tuple, kwargs: dict) -> Any
         _specs_like(a, batch_spec if i in config.batch_argnums else P())
         for i, a in enumerate(rest)
     )
-    kwargs_specs = _specs_like(kwargs, P())
     param_specs = [layout.param_spec(i) for i in range(len(diff_leaves))]
-    diff_leaves, rest, kwargs = jax.tree.map(
+    diff_leaves, rest = jax.tree.map(
         lambda x, spec: sync.conform(x, spec, layout.data_axes),
-        (diff_leaves, rest, kwargs), (param_specs, rest_specs, kwargs_specs))
+        (diff_leaves, rest), (param_specs, rest_specs))
     local = jax.shard_map(
         local,
         mesh=layout.mesh,
-        in_specs=(param_specs, rest_specs, kwargs_specs),
+        in_specs=(param_specs, rest_specs),
         out_specs=(P(), param_specs),
         axis_names=set(layout.data_axes),
     )
-  (value, aux), grad_leaves = local(diff_leaves, rest, kwargs)
+  (value, aux), grad_leaves = local(diff_leaves, rest)
   grads = jax.tree.unflatten(diff_def, grad_leaves)
   if config.single_argnum:
     grads = grads[0]

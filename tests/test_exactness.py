@@ -173,3 +173,32 @@ def test_explicit_data_axes_reshard_a_replicated_batch():
     got = jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=2, data_axes="data"))(
         put(params, mesh, {}), put(data, mesh, {}))
   assert_tree_close(got, jax.value_and_grad(reference_token_mean)(params, data))
+
+
+def test_keyword_arguments_reach_fun_as_given():
+  data, params = make_data(k=2), make_params()
+
+  def loss(p, b, *, double=False):  # a Python bool: must not be traced
+    value = weighted_loss(p, b)
+    return fxaccum.Weighted(2 * value.total, value.weight) if double else value
+
+  ref = jax.value_and_grad(lambda p, b: 2 * reference_token_mean(p, b))(params, data)
+  eager = fxaccum.value_and_grad(loss, micro_batches=2)(params, data, double=True)
+  jitted = jax.jit(fxaccum.value_and_grad(loss, micro_batches=2), static_argnames="double")(
+      params, data, double=True)
+  assert_tree_close(eager, ref)
+  assert_tree_close(jitted, ref)
+
+
+def test_bf16_weights_are_counted_exactly():
+  """Three micro-batches of 255 tokens: a bf16 running count gives 764, not 765."""
+  mask = np.zeros((3, 256), np.float32)
+  mask[:, :255] = 1.0
+
+  def loss(w, m):
+    m = m.astype(jnp.bfloat16)
+    return fxaccum.Weighted(jnp.sum(m.astype(jnp.float32) * w), jnp.sum(m))
+
+  value, g = fxaccum.value_and_grad(loss, micro_batches=3)(jnp.float32(3.0), mask)
+  np.testing.assert_array_equal(g, np.float32(1.0))  # 765 / 765, not 765 / 764
+  np.testing.assert_array_equal(value, np.float32(3.0))
