@@ -37,11 +37,13 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import argparse  # noqa: E402
+import inspect  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+import types  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -54,6 +56,7 @@ import optax  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from optax.microbatching import _microbatching  # noqa: E402
 
 import fxaccum  # noqa: E402
 from fxaccum import diagnostics  # noqa: E402
@@ -135,7 +138,7 @@ def mlp_setup(quick: bool) -> dict[str, Any]:
   rng = np.random.default_rng(0)
   data = {"x": rng.normal(size=(batch, dim)).astype(np.float32),
           "y": rng.normal(size=(batch, dim)).astype(np.float32)}
-  params = model.init(jax.random.key(0), data["x"][:1])
+  params = jax.jit(model.init)(jax.random.key(0), data["x"][:1])
 
   def loss_fn(params, batch):
     return jnp.mean((model.apply(params, batch["x"]) - batch["y"]) ** 2)
@@ -152,7 +155,7 @@ def lm_setup(quick: bool) -> dict[str, Any]:
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, vocab, size=(batch, seq + 1)).astype(np.int32)
   data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  params = model.init(jax.random.key(0), data["inputs"][:1])
+  params = jax.jit(model.init)(jax.random.key(0), data["inputs"][:1])
 
   def loss_fn(params, batch):
     logits = model.apply(params, batch["inputs"])
@@ -187,6 +190,45 @@ def plain_scan_value_and_grad(loss_fn: Callable, k: int) -> Callable:
     return total / k, jax.tree.map(lambda g: g / k, acc)
 
   return value_and_grad
+
+
+class _JaxShim(types.ModuleType):
+  """``jax`` as optax.microbatching sees it, with a version string that compares right."""
+
+  def __getattr__(self, name):
+    return getattr(jax, name)
+
+
+def optax_version_bug() -> str | None:
+  """Why optax.microbatching fails on an Explicit mesh with this jax, or None.
+
+  optax 0.2.8 compares ``jax.__version__ < '0.7.0'`` as strings; ``'0.10.2' < '0.7.0'`` is
+  True, so it reshapes the batch without ``out_sharding``, which an Explicit mesh rejects.
+  """
+  source = inspect.getsource(_microbatching)
+  numeric = tuple(int(p) for p in jax.__version__.split(".")[:2])
+  if "jax.__version__ < '0.7.0'" in source and jax.__version__ < "0.7.0" and numeric >= (0, 7):
+    return (f"optax {optax.__version__} compares jax.__version__ as strings "
+            f"('{jax.__version__}' < '0.7.0' is True), so reshape_batch_axis takes the pre-0.7 "
+            "path without out_sharding and raises ShardingTypeError on an Explicit mesh")
+  return None
+
+
+def with_version_shim(fn: Callable) -> Callable:
+  """``fn`` tracing optax.microbatching with a jax version string of 0.9.99 (see above)."""
+  if optax_version_bug() is None:
+    return fn
+  shim = _JaxShim("jax")
+  shim.__version__ = "0.9.99"
+
+  def wrapped(*args, **kwargs):
+    saved, _microbatching.jax = _microbatching.jax, shim
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      _microbatching.jax = saved
+
+  return wrapped
 
 
 def optax_microbatch_value_and_grad(loss_fn: Callable, k: int, batch_size: int) -> Callable:
@@ -224,14 +266,36 @@ def train_step(value_and_grad: Callable, tx: optax.GradientTransformation) -> Ca
 # ------------------------------------------------------------------------ measuring
 
 
-def rel_err(actual: Any, expected: Any) -> float:
-  """Max over leaves of max|a - b| / max|b| (float64)."""
-  worst = 0.0
-  for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = max(float(np.max(np.abs(b), initial=0.0)), 1e-30)
-    worst = max(worst, float(np.max(np.abs(a - b), initial=0.0)) / scale)
-  return worst
+REL_FLOOR = 1e-3
+
+
+def rel_err(actual: Any, expected: Any, floor: float = REL_FLOOR) -> tuple[float, str]:
+  """Max over leaves of max|a - b| / max|b| (float64), and the worst leaf's path.
+
+  Each leaf's scale ``max|b|`` is floored at ``floor`` x the whole tree's max|b|: a leaf
+  whose exact gradient is 0 (an attention key bias: softmax ignores a shift of the logits)
+  holds only rounding noise (~1e-10), and any two summation orders differ there by ~100%.
+  ``floor=0`` gives the unfloored per-leaf ratio.
+  """
+  pairs = [(jax.tree_util.keystr(path), np.asarray(a, np.float64), np.asarray(b, np.float64))
+           for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(actual)[0],
+                                   jax.tree.leaves(expected), strict=True)]
+  tree_scale = max(float(np.max(np.abs(b), initial=0.0)) for _, _, b in pairs)
+  worst, worst_leaf = 0.0, ""
+  for path, a, b in pairs:
+    scale = max(float(np.max(np.abs(b), initial=0.0)), floor * tree_scale, 1e-30)
+    err = float(np.max(np.abs(a - b), initial=0.0)) / scale
+    if err >= worst:
+      worst, worst_leaf = err, path
+  return worst, worst_leaf
+
+
+def errors(prefix: str, actual: Any, expected: Any) -> dict[str, Any]:
+  """``{prefix}_rel_err`` (floored), ``..._raw`` (unfloored) and ``..._worst_leaf``."""
+  err, leaf = rel_err(actual, expected)
+  raw, raw_leaf = rel_err(actual, expected, floor=0.0)
+  return {f"{prefix}_rel_err": err, f"{prefix}_rel_err_worst_leaf": leaf,
+          f"{prefix}_rel_err_raw": raw, f"{prefix}_rel_err_raw_worst_leaf": raw_leaf}
 
 
 def compile_and_report(fn: Callable, mesh: Any, *args: Any) -> tuple[Any, diagnostics.Report]:
@@ -285,37 +349,43 @@ def run_model(name: str, setup: dict[str, Any], mesh: Any, ks: list[int], repeat
     log(f"  {name}/{method}: {_brief(results[method])}")
 
   ref: dict[str, Any] = {}
+  grad_programs: dict[str, tuple[Any, diagnostics.Report]] = {}  # method -> compiled grads
 
-  def grad_method(value_and_grad: Callable, note: str = "") -> Callable[[], dict[str, Any]]:
+  def grad_method(value_and_grad: Callable, note: str = "",
+                  method: str = "") -> Callable[[], dict[str, Any]]:
     """A train step built on ``value_and_grad`` (params, batch) -> (loss, grads)."""
 
     def measure():
       step, step_rep = compile_and_report(train_step(value_and_grad, tx), mesh,
                                           params, opt_state, batch)
       ms, times = time_ms(lambda: step(params, opt_state, batch), repeats)
-      grads_fn = jax.jit(value_and_grad)
+      grads_fn, grads_rep = compile_and_report(value_and_grad, mesh, params, batch)
+      grad_programs[method] = grads_fn, grads_rep
       loss, grads = grads_fn(params, batch)
       new_params, _, _ = step(params, opt_state, batch)
       out = {"ms_per_step": ms, "times_ms": times, **comm_figures(step_rep),
              "loss": float(loss), "note": note}
       if "grads" not in ref:  # the first method is large_batch, the reference
         ref.update(grads=grads, params=new_params, loss=float(loss))
-      out["grad_rel_err"] = rel_err(grads, ref["grads"])
-      out["params_rel_err"] = rel_err(new_params, ref["params"])
-      out["update_rel_err"] = _update_rel_err(new_params, ref["params"], params)
+      out.update(errors("grad", grads, ref["grads"]))
+      out.update(errors("params", new_params, ref["params"]))
+      out.update(errors("update", _delta(new_params, params), _delta(ref["params"], params)))
       out["rel_err"], out["rel_err_of"] = out["grad_rel_err"], "grads"
       return out
 
     return measure
 
-  def grad_only(value_and_grad: Callable) -> Callable[[], dict[str, Any]]:
+  def grad_only(method: str) -> Callable[[], dict[str, Any]]:
+    """The gradient program compiled for ``method`` alone, with no optimizer."""
+
     def measure():
-      fn, rep = compile_and_report(value_and_grad, mesh, params, batch)
+      fn, rep = grad_programs[method]
       ms, times = time_ms(lambda: fn(params, batch), repeats)
       loss, grads = fn(params, batch)
-      return {"ms_per_step": ms, "times_ms": times, **comm_figures(rep), "loss": float(loss),
-              "rel_err": rel_err(grads, ref["grads"]), "rel_err_of": "grads",
-              "note": "gradients only, no optimizer"}
+      out = {"ms_per_step": ms, "times_ms": times, **comm_figures(rep), "loss": float(loss),
+             **errors("grad", grads, ref["grads"]), "note": "gradients only, no optimizer"}
+      out["rel_err"], out["rel_err_of"] = out["grad_rel_err"], "grads"
+      return out
 
     return measure
 
@@ -351,36 +421,52 @@ def run_model(name: str, setup: dict[str, Any], mesh: Any, ks: list[int], repeat
     out = {"ms_per_step": ms, "times_ms": times, **comm_figures(rep, calls=k),
            "calls_per_step": k,
            "note": f"{k} jitted calls per optimizer step; bytes = {k} x per call"}
-    out["grad_rel_err"] = rel_err(state.acc_grads, ref["grads"])
-    out["params_rel_err"] = rel_err(new_params, ref["params"])
-    out["update_rel_err"] = _update_rel_err(new_params, ref["params"], params)
+    out.update(errors("grad", state.acc_grads, ref["grads"]))
+    out.update(errors("params", new_params, ref["params"]))
+    out.update(errors("update", _delta(new_params, params), _delta(ref["params"], params)))
     out["rel_err"], out["rel_err_of"] = out["grad_rel_err"], "grads (MultiSteps acc_grads)"
     return out
 
-  record("large_batch", grad_method(jax.value_and_grad(loss_fn)))
+  record("large_batch", grad_method(jax.value_and_grad(loss_fn), method="large_batch"))
   for k in ks:
-    record(f"fxaccum_k{k}", grad_method(fxaccum.value_and_grad(loss_fn, micro_batches=k)))
+    record(f"fxaccum_k{k}", grad_method(fxaccum.value_and_grad(loss_fn, micro_batches=k),
+                                        method=f"fxaccum_k{k}"))
   record(f"plain_scan_k{K_REF}", grad_method(plain_scan_value_and_grad(loss_fn, K_REF)))
   record(f"multisteps_k{K_REF}", multisteps)
-  record(f"optax_microbatch_k{K_REF}", grad_method(
-      optax_microbatch_value_and_grad(loss_fn, K_REF, batch_size),
-      "optax.microbatching.microbatch(jax.value_and_grad(loss), MEAN)"))
-  record(f"micro_grad_k{K_REF}", grad_method(
-      micro_grad_value_and_grad(loss_fn, K_REF, batch_size),
-      "optax.microbatching.micro_grad (per-example grads, MEAN)"))
-  record("grad_only_large", grad_only(jax.value_and_grad(loss_fn)))
-  record(f"grad_only_fxaccum_k{K_REF}",
-         grad_only(fxaccum.value_and_grad(loss_fn, micro_batches=K_REF)))
+  bug = optax_version_bug()
+  for method, make, note in (
+      (f"optax_microbatch_k{K_REF}", optax_microbatch_value_and_grad,
+       "optax.microbatching.microbatch(jax.value_and_grad(loss), MEAN)"),
+      (f"micro_grad_k{K_REF}", micro_grad_value_and_grad,
+       "optax.microbatching.micro_grad (per-example grads, MEAN)")):
+    fn = make(loss_fn, K_REF, batch_size)
+    if bug:
+      note += "; run with a jax-version shim (see optax_bug)"
+    record(method, grad_method(with_version_shim(fn), note))
+    if bug:
+      results[method]["optax_bug"] = bug
+      results[method]["unpatched_error"] = _trace_error(fn, params, batch)
+  record("grad_only_large", grad_only("large_batch"))
+  if f"fxaccum_k{K_REF}" in grad_programs:
+    record(f"grad_only_fxaccum_k{K_REF}", grad_only(f"fxaccum_k{K_REF}"))
+  else:
+    results[f"grad_only_fxaccum_k{K_REF}"] = {"skipped": f"{K_REF} not in --ks or it failed"}
   return results
 
 
-def _update_rel_err(new_params: Any, ref_params: Any, old_params: Any) -> float:
-  """rel_err of the one-step update (new - old) against the reference update."""
-  delta = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
-                       new_params, old_params)
-  ref_delta = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
-                           ref_params, old_params)
-  return rel_err(delta, ref_delta)
+def _trace_error(fn: Callable, *args: Any) -> str | None:
+  """The error tracing ``fn`` raises (first line), or None."""
+  try:
+    jax.eval_shape(fn, *args)
+  except Exception as e:  # noqa: BLE001
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+  return None
+
+
+def _delta(new: Any, old: Any) -> Any:
+  """new - old per leaf, in float64 (the one-step update)."""
+  return jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                      new, old)
 
 
 def _brief(r: dict[str, Any]) -> str:

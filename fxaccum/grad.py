@@ -341,7 +341,8 @@ def _accumulate(config, layout, diff_leaves, diff_def, rest, kwargs):
   device = lax.axis_index(axes) if axes else 0
 
   def micro_step(index):
-    """(total, weight, aux) of micro-batch ``index`` and d total / d params."""
+    """The loss of micro-batch ``index`` as a function of the (local) differentiated
+    leaves, returning ``(total, (weight, aux))``."""
     micro = split.micro_batch(batch, index, k)
     call_args = list(rest)
     for i in config.batch_argnums:
