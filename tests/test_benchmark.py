@@ -1,0 +1,30 @@
+"""The benchmark script runs (quick sizes) and its non-timing claims hold.
+
+Timings are never asserted: they are figures for docs/performance.md, not tests.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_instep_benchmark_quick_run(tmp_path):
+  out = tmp_path / "instep.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  subprocess.run(
+      [sys.executable, str(ROOT / "benchmarks" / "instep.py"), "--quick", "--models", "mlp",
+       "--out", str(out)],
+      capture_output=True, text=True, timeout=300, env=env, check=True)
+  results = json.loads(out.read_text())["results"]["mlp"]
+  grad_bytes = results["large_batch"]["reduction_bytes_per_step"]
+  for k in (1, 2, 4, 8):
+    fx = results[f"fxaccum_k{k}"]
+    assert fx["reductions_in_loops"] == 0
+    # The large batch reduces gradients + its loss; fxaccum adds only the weight scalar.
+    assert grad_bytes <= fx["reduction_bytes_per_step"] <= grad_bytes + 64
+    assert fx["grad_rel_err"] < 1e-5
+  assert results["plain_scan_k8"]["reduction_bytes_per_step"] >= 8 * grad_bytes
