@@ -27,6 +27,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from fxaccum import sync
+
 __all__ = ["Collective", "Memory", "Report", "report", "from_compiled", "REDUCTIONS"]
 
 #: Collective kinds that reduce (sum) values across devices.
@@ -166,7 +168,7 @@ def report(fn: Callable[..., Any], *args: Any, mesh: Any = None, **kwargs: Any) 
     fn = jax.jit(fn)
   compiled = fn.lower(*args, **kwargs).compile()
   if mesh is None:
-    mesh = _find_mesh(jax.tree.leaves((args, kwargs)))
+    mesh = sync.find_mesh(jax.tree.leaves((args, kwargs)))
   return from_compiled(compiled, mesh=mesh)
 
 
@@ -183,17 +185,6 @@ def from_compiled(compiled: Any, mesh: Any = None) -> Report:
         generated_code_bytes=int(analysis.generated_code_size_in_bytes),
     )
   return Report(tuple(parse_hlo(compiled.as_text(), mesh)), memory)
-
-
-def _find_mesh(leaves: list[Any]) -> Any:
-  context = jax.sharding.get_abstract_mesh()
-  if context.axis_names:
-    return context
-  for leaf in leaves:
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, jax.sharding.NamedSharding):
-      return sharding.mesh
-  return None
 
 
 def parse_hlo(text: str, mesh: Any = None) -> list[Collective]:

@@ -36,7 +36,10 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Layout", "plan", "conform", "vary", "gather", "reduce", "CONVENTIONAL_DATA_AXES"]
+__all__ = [
+    "CONVENTIONAL_DATA_AXES", "Layout", "conform", "find_mesh", "gather", "plan", "reduce",
+    "vary", "varying_axes",
+]
 
 #: Auto mesh axes assumed to carry the batch when JAX cannot show its sharding.
 CONVENTIONAL_DATA_AXES = ("replica", "data", "batch", "dp", "fsdp")
@@ -108,7 +111,8 @@ def _spec_axes(entry: Any) -> tuple[str, ...]:
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _find_mesh(leaves: Sequence[Any]) -> Any:
+def find_mesh(leaves: Sequence[Any]) -> Any:
+  """The ``jax.set_mesh`` context mesh, else the mesh of the first leaf with a NamedSharding."""
   context = jax.sharding.get_abstract_mesh()
   if context.axis_names:
     return context
@@ -130,7 +134,7 @@ def plan(
     data_axes: tuple[str, ...] | None,
 ) -> Layout:
   """Works out the :class:`Layout` of a call; see the module docstring for the rules."""
-  mesh = _find_mesh([*batch_leaves, *diff_leaves, *other_leaves])
+  mesh = find_mesh([*batch_leaves, *diff_leaves, *other_leaves])
   if mesh is None:
     if data_axes:
       raise ValueError(
