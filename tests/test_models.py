@@ -42,7 +42,7 @@ class LinenBlock(nn.Module):
   def __call__(self, tokens, *, deterministic):
     x = nn.Embed(VOCAB, WIDTH)(tokens)
     h = nn.LayerNorm()(x)
-    x = x + nn.SelfAttention(num_heads=2)(h, mask=nn.make_causal_mask(tokens))
+    x = x + nn.MultiHeadDotProductAttention(num_heads=2)(h, mask=nn.make_causal_mask(tokens))
     h = nn.Dense(2 * WIDTH)(nn.LayerNorm()(x))
     h = nn.Dropout(0.3)(nn.gelu(h), deterministic=deterministic)
     return nn.Dense(VOCAB)(x + nn.Dense(WIDTH)(h))
