@@ -1,15 +1,25 @@
 """fxaccum: exact, communication-optimal, memory-flat gradient accumulation for JAX."""
 
 from fxaccum import diagnostics
+from fxaccum.flax import Optimizer, TrainState
 from fxaccum.grad import grad, value_and_grad
+from fxaccum.sync import Unreduced
+from fxaccum.transform import AccumulateState, accumulate, apply_gradients, is_boundary
 from fxaccum.weighted import Weighted
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulateState",
+    "Optimizer",
+    "TrainState",
+    "Unreduced",
     "Weighted",
     "__version__",
+    "accumulate",
+    "apply_gradients",
     "diagnostics",
     "grad",
+    "is_boundary",
     "value_and_grad",
 ]

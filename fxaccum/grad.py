@@ -38,6 +38,7 @@ def value_and_grad(
     accum_dtype: Any = jnp.float32,
     rng_argnums: int | Sequence[int] = (),
     fsdp_reduce: FsdpReduce = "per_micro_batch",
+    reduce: bool = True,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, over ``micro_batches`` micro-batches of the batch.
 
@@ -87,6 +88,10 @@ def value_and_grad(
     rng_argnums: positional argument(s) holding PRNG keys to fold per micro-batch.
     fsdp_reduce: for params sharded over a data axis: ``"per_micro_batch"`` (default) or
       ``"per_step"``.
+    reduce: ``False`` defers the data-axis reduction to a cross-step gate: the gradients
+      come back as :class:`fxaccum.Unreduced` per-device sums (the value is still the
+      reduced loss). Feed them to a chain with ``fxaccum.accumulate(k, data_axes=...)``.
+      Params must be replicated over the data axes.
 
   Returns:
     A function with the signature of ``fun`` returning ``(value, grads)``, or
@@ -144,6 +149,7 @@ def value_and_grad(
       rng_argnums=rng_argnums_t,
       accum_dtype=accum_dtype,
       fsdp_reduce=fsdp_reduce,
+      reduce=bool(reduce),
   )
   compiled_for_layout: dict[sync.Layout, Callable[..., Any]] = {}
 
@@ -164,6 +170,12 @@ def value_and_grad(
     layout = sync.plan(diff_leaves, jax.tree.leaves(batch), jax.tree.leaves(other),
                        axes_override)
     split.leading_size(batch, micro_batches, layout.data_devices)
+    if not reduce and any(layout.param_dims):
+      raise ValueError(
+          "reduce=False keeps one full gradient per device, so it needs params replicated "
+          "over the data axes, but some params are sharded over them (FSDP). Use reduce=True "
+          "(the default) with a cross-step accumulate() without data_axes."
+      )
 
     # Keyword arguments reach `fun` as given (like jax.value_and_grad): not split, not
     # differentiated, not traced by fxaccum.
@@ -221,6 +233,7 @@ class _Config:
   rng_argnums: tuple[int, ...]
   accum_dtype: Any
   fsdp_reduce: FsdpReduce
+  reduce: bool
 
 
 def _as_axes(data_axes: str | Sequence[str]) -> tuple[str, ...]:
@@ -310,14 +323,21 @@ def _run(config: _Config, layout: sync.Layout, kwargs: dict, args: tuple) -> Any
     diff_leaves, rest = jax.tree.map(
         lambda x, spec: sync.conform(x, spec, layout.data_axes),
         (diff_leaves, rest), (param_specs, rest_specs))
+    grad_specs = param_specs if config.reduce else (
+        [batch_spec] * len(diff_leaves), batch_spec)  # per-device sums and weights
     local = jax.shard_map(
         local,
         mesh=layout.mesh,
         in_specs=(param_specs, rest_specs),
-        out_specs=(P(), param_specs),
+        out_specs=(P(), grad_specs),
         axis_names=set(layout.data_axes),
     )
   (value, aux), grad_leaves = local(diff_leaves, rest)
+  if not config.reduce:
+    grad_leaves, weight = grad_leaves
+    total = jax.tree.unflatten(diff_def, grad_leaves)
+    grads = sync.Unreduced(total[0] if config.single_argnum else total, weight)
+    return ((value, aux), grads) if config.has_aux else (value, grads)
   grads = jax.tree.unflatten(diff_def, grad_leaves)
   if config.single_argnum:
     grads = grads[0]
@@ -401,7 +421,15 @@ def _accumulate(config, layout, diff_leaves, diff_def, rest, kwargs):
   (grad_acc, total, weight, aux_acc), _ = lax.scan(body, init, jnp.arange(k))
 
   with jax.named_scope("fxaccum_reduce"):
+    local_weight = weight
     total, weight = sync.reduce(total, axes), sync.reduce(weight, axes)
+    value = safe_divide(total, weight).astype(total_dtype)
+    aux = jax.tree.map(
+        lambda acc: _aux_finish(acc, weight, axes), aux_acc, is_leaf=_is_weighted
+    )
+    if not config.reduce:  # deferred: each device's sums, one slot per device
+      return (value, aux), ([acc[None] for acc in grad_acc],
+                            local_weight.astype(jnp.float32)[None])
     grads = []
     for acc, leaf, dims, loop_dims in zip(grad_acc, diff_leaves, layout.param_dims,
                                           gather_in_loop, strict=True):
@@ -410,10 +438,6 @@ def _accumulate(config, layout, diff_leaves, diff_def, rest, kwargs):
       remaining = tuple(a for a in axes if a not in scattered)
       reduced = sync.reduce(acc, remaining, () if loop_dims else dims)
       grads.append(safe_divide(reduced, weight).astype(jnp.result_type(leaf)))
-    value = safe_divide(total, weight).astype(total_dtype)
-    aux = jax.tree.map(
-        lambda acc: _aux_finish(acc, weight, axes), aux_acc, is_leaf=_is_weighted
-    )
   return (value, aux), grads
 
 

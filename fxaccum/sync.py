@@ -37,8 +37,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
-    "CONVENTIONAL_DATA_AXES", "Layout", "conform", "find_mesh", "gather", "plan", "reduce",
-    "vary", "varying_axes",
+    "CONVENTIONAL_DATA_AXES", "Layout", "Unreduced", "conform", "find_mesh", "gather", "plan",
+    "reduce", "vary", "varying_axes",
 ]
 
 #: Auto mesh axes assumed to carry the batch when JAX cannot show its sharding.
@@ -80,6 +80,26 @@ class Layout:
     for dim, axes in dims.items():
       entries[dim] = axes if len(axes) > 1 else axes[0]
     return P(*entries)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Unreduced:
+  """Gradients not yet reduced over the data-parallel devices.
+
+  Returned by ``fxaccum.value_and_grad(..., reduce=False)`` and consumed by a gate whose
+  chain has ``fxaccum.accumulate(k, data_axes=...)``, which adds them up per device and
+  reduces once per optimizer step (deferred sync).
+
+  Attributes:
+    total: the params' tree; each leaf has a leading axis with one entry per data-parallel
+      device (sharded over the data axes): that device's sum of ``d total / d params``
+      over its micro-batches, not normalized.
+    weight: float32 ``(devices,)``, each device's summed weight.
+  """
+
+  total: Any
+  weight: jax.Array
 
 
 def _named_sharding(leaf: Any) -> tuple[NamedSharding | None, bool]:

@@ -1,0 +1,102 @@
+"""Flax train states built on the gate: linen ``TrainState`` and NNX ``Optimizer``.
+
+``TrainState.step`` / ``Optimizer.step`` count **optimizer steps** (completed windows),
+not calls; ``micro_step`` is the position inside the current window.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.training import train_state
+
+from fxaccum import sync, transform
+
+__all__ = ["TrainState", "Optimizer"]
+
+
+class TrainState(train_state.TrainState):
+  """``flax.training.train_state.TrainState`` whose ``apply_gradients`` is a gate.
+
+  Build ``tx`` as ``optax.chain(fxaccum.accumulate(k), ...)``. Each call of
+  :meth:`apply_gradients` adds one micro-batch's gradient; every ``k``-th call runs the
+  chain once on the mean and updates ``params``. ``step`` counts optimizer steps.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, fxaccum
+    >>> tx = optax.chain(fxaccum.accumulate(2), optax.sgd(0.5))
+    >>> state = fxaccum.TrainState.create(apply_fn=None, params=jnp.zeros(1), tx=tx)
+    >>> state = state.apply_gradients(grads=jnp.array([2.0]), weight=3)
+    >>> int(state.step), int(state.micro_step)
+    (0, 1)
+    >>> state = state.apply_gradients(grads=jnp.array([6.0]), weight=1)  # mean: 3
+    >>> state.params, int(state.step), int(state.micro_step)
+    (Array([-1.5], dtype=float32), 1, 0)
+  """
+
+  def apply_gradients(self, *, grads: Any, weight: Any = None, **kwargs: Any) -> TrainState:
+    """Accumulates ``grads`` (with ``weight``, default 1); steps on a window's last call.
+
+    Args:
+      grads: this call's gradient, or ``fxaccum.Unreduced``.
+      weight: this call's weight, e.g. its valid-token count.
+      **kwargs: dataclass fields to ``.replace()``, as in flax's TrainState.
+    """
+    params, opt_state, boundary = transform.gate(
+        self.tx, grads, self.opt_state, self.params, weight=weight)
+    return self.replace(step=self.step + boundary.astype(jnp.int32), params=params,
+                        opt_state=opt_state, **kwargs)
+
+  @property
+  def micro_step(self) -> jax.Array:
+    """Calls accumulated in the current window (0 right after an optimizer step)."""
+    return transform.find_state(self.opt_state).micro_step
+
+
+class Optimizer(nnx.Optimizer):
+  """``flax.nnx.Optimizer`` whose ``update`` is a gate.
+
+  Build ``tx`` as ``optax.chain(fxaccum.accumulate(k), ...)``. Each :meth:`update` adds
+  one micro-batch's gradient; every ``k``-th call runs the chain once on the mean and
+  updates the model. ``step`` counts optimizer steps.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fxaccum
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> opt = fxaccum.Optimizer(model, optax.chain(fxaccum.accumulate(4), optax.adam(1e-3)),
+    ...                         wrt=nnx.Param)
+    >>> loss = lambda m, x: jnp.mean(m(x) ** 2)
+    >>> for _ in range(4):
+    ...   opt.update(model, nnx.grad(loss)(model, jnp.ones((3, 2))))
+    >>> int(opt.step[...]), int(opt.micro_step)
+    (1, 0)
+  """
+
+  def update(self, model: Any, grads: Any, /, *, weight: Any = None, **kwargs: Any) -> None:
+    """Accumulates ``grads`` (with ``weight``, default 1); steps on a window's last call.
+
+    Args:
+      model: the model whose ``wrt`` variables are optimized.
+      grads: this call's gradient (an ``nnx.State``, e.g. from ``nnx.grad``), or
+        ``fxaccum.Unreduced`` over the ``wrt`` state.
+      weight: this call's weight, e.g. its valid-token count.
+      **kwargs: passed to ``tx.update`` on a window's last call.
+    """
+    params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+    if not isinstance(grads, sync.Unreduced):
+      grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+    new_params, new_opt_state, boundary = transform.gate(
+        self.tx, grads, nnx.as_pure(self.opt_state), params, weight=weight,
+        **nnx.as_pure(kwargs))
+    nnx.update(model, new_params)
+    nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
+    self.step[...] += boundary.astype(self.step.dtype)
+
+  @property
+  def micro_step(self) -> jax.Array:
+    """Calls accumulated in the current window (0 right after an optimizer step)."""
+    return transform.find_state(nnx.as_pure(self.opt_state)).micro_step

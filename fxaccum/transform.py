@@ -1,0 +1,375 @@
+"""Cross-step accumulation: ``accumulate()``, its state, and the gate that applies it.
+
+``optax.chain(fxaccum.accumulate(k), optax.adam(...))`` takes one micro-batch per call.
+A plain ``optax.chain`` runs every element on every call, so it cannot keep Adam from
+updating its moments on the k-1 calls that only accumulate. The *gate* —
+:func:`apply_gradients`, :class:`fxaccum.TrainState` and :class:`fxaccum.Optimizer` —
+does it: it adds the call's gradient to the :class:`AccumulateState` and, with one
+``lax.cond``, either stops there (params and the rest of the chain untouched) or, on the
+window's last call, runs the **whole chain once** on the window's mean gradient and
+applies the update. ``accumulate``'s own ``update`` is a pass-through that raises when
+traced outside a gate, so it can never silently act like ``optax.apply_every``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fxaccum import split, sync
+from fxaccum.weighted import safe_divide
+
+__all__ = ["AccumulateState", "accumulate", "apply_gradients", "is_boundary"]
+
+EveryK = int | Callable[[jax.Array], Any]
+
+UNGATED_MESSAGE = (
+    "fxaccum.accumulate's update ran outside a gate: a plain optax update would run the "
+    "rest of the chain (e.g. Adam's moments) on every micro-step. Apply the chain with "
+    "fxaccum.TrainState.apply_gradients (flax linen), fxaccum.Optimizer.update (flax NNX) "
+    "or fxaccum.apply_gradients(tx, grads, opt_state, params), not with "
+    "flax.training.train_state.TrainState, nnx.Optimizer or tx.update."
+)
+
+
+class AccumulateState(NamedTuple):
+  """State of :func:`accumulate`.
+
+  Attributes:
+    micro_step: int32, calls accumulated in the current window; 0 right after an
+      optimizer step.
+    optimizer_step: int32, optimizer steps taken (completed windows).
+    accumulator: the window's weighted gradient sum ``sum_i weight_i * grad_i``, with the
+      params' tree structure, dtype ``accum_dtype`` and the params' sharding. With
+      ``data_axes``, every leaf has a leading axis of one partial sum per data-parallel
+      device (sharded over those axes, so one gradient copy per device).
+    weight: float32, the window's summed weight (per device with ``data_axes``).
+    skipped: int32, calls dropped for non-finite gradients (``skip_nonfinite``), in total.
+  """
+
+  micro_step: jax.Array
+  optimizer_step: jax.Array
+  accumulator: Any
+  weight: jax.Array
+  skipped: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  every_k: EveryK
+  accum_dtype: Any
+  skip_nonfinite: bool
+  data_axes: tuple[str, ...]
+
+  def window(self, optimizer_step: jax.Array) -> jax.Array:
+    """Number of calls in the window that starts at ``optimizer_step``."""
+    if callable(self.every_k):
+      return jnp.asarray(self.every_k(optimizer_step), jnp.int32)
+    return jnp.int32(self.every_k)
+
+
+# The gate session: set while a gate traces the chain; collects accumulate's config.
+_GATE: contextvars.ContextVar[list[_Config] | None] = contextvars.ContextVar(
+    "fxaccum_gate", default=None)
+
+
+@contextlib.contextmanager
+def _gate_session():
+  found: list[_Config] = []
+  token = _GATE.set(found)
+  try:
+    yield found
+  finally:
+    _GATE.reset(token)
+
+
+def accumulate(
+    every_k: EveryK,
+    *,
+    accum_dtype: Any = jnp.float32,
+    skip_nonfinite: bool = False,
+    data_axes: str | tuple[str, ...] | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Accumulates ``every_k`` calls' gradients; the chain steps once per window.
+
+  Put it in an ``optax.chain`` (normally first) and apply the chain with a gate:
+  :class:`fxaccum.TrainState`, :class:`fxaccum.Optimizer` or
+  :func:`fxaccum.apply_gradients`. On the first ``every_k - 1`` calls of a window only
+  this state changes; on the last call the whole chain runs once on the window's mean
+  gradient ``sum_i weight_i * grad_i / sum_i weight_i`` (0 if the summed weight is 0),
+  the params are updated and the accumulator resets. Wherever it sits in the chain, the
+  gate accumulates the raw gradients, so every element of the chain sees only the mean.
+
+  Args:
+    every_k: calls per optimizer step: an int, or a schedule
+      ``optimizer_step -> k`` (like ``optax.MultiSteps``' ``every_k_schedule``).
+    accum_dtype: dtype of the accumulator (float32 by default, also for bf16 params).
+    skip_nonfinite: drop a call whose gradient (or weight) holds NaN/Inf: it adds
+      nothing, still counts as a call of the window, and ``skipped`` counts it.
+    data_axes: data-parallel mesh axes for *deferred* sync: the accumulator keeps one
+      partial sum per device and the gradient is all-reduced once, inside the window's
+      last call. Feed it with ``fxaccum.value_and_grad(..., reduce=False)``. ``None``
+      (default): gradients arrive already reduced, one reduction per call.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is an
+    :class:`AccumulateState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, fxaccum
+    >>> tx = optax.chain(fxaccum.accumulate(2), optax.sgd(1.0))
+    >>> params = jnp.zeros(2)
+    >>> opt_state = tx.init(params)
+    >>> for g in (jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])):
+    ...   params, opt_state = fxaccum.apply_gradients(tx, g, opt_state, params)
+    ...   print(params, bool(fxaccum.is_boundary(opt_state)))
+    [0. 0.] False
+    [-2. -3.] True
+  """
+  if not callable(every_k):
+    every_k = split.check_micro_batches(every_k, "every_k")
+  accum_dtype = jnp.dtype(accum_dtype)
+  if not jnp.issubdtype(accum_dtype, jnp.floating):
+    raise TypeError(f"accum_dtype must be a float dtype, got {accum_dtype}.")
+  axes = () if data_axes is None else ((data_axes,) if isinstance(data_axes, str)
+                                      else tuple(data_axes))
+  config = _Config(every_k, accum_dtype, bool(skip_nonfinite), axes)
+
+  def init_fn(params):
+    if axes:
+      accumulator = _per_device_zeros(params, axes, accum_dtype)
+      weight = _per_device_zeros(jnp.zeros((), jnp.float32), axes, jnp.float32)
+    else:
+      accumulator = jax.tree.map(lambda p: jnp.zeros_like(p, accum_dtype), params)
+      weight = jnp.zeros((), jnp.float32)
+    return AccumulateState(
+        micro_step=jnp.zeros((), jnp.int32),
+        optimizer_step=jnp.zeros((), jnp.int32),
+        accumulator=accumulator,
+        weight=weight,
+        skipped=jnp.zeros((), jnp.int32),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    session = _GATE.get()
+    if session is None:
+      raise RuntimeError(UNGATED_MESSAGE)
+    session.append(config)
+    return updates, state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _per_device_zeros(tree: Any, axes: tuple[str, ...], dtype: Any) -> Any:
+  """Zeros with a leading axis of one slot per device of ``axes``, sharded over them."""
+  mesh = sync.find_mesh(jax.tree.leaves(tree))
+  if mesh is None:
+    raise ValueError(
+        f"accumulate(data_axes={axes}) needs a mesh to lay out per-device accumulators: "
+        "call tx.init inside `with jax.set_mesh(mesh):` or on params placed with a "
+        "NamedSharding."
+    )
+  missing = [a for a in axes if a not in mesh.axis_names]
+  if missing:
+    raise ValueError(
+        f"accumulate(data_axes={axes}): the mesh has no axes {missing}; its axes are "
+        f"{tuple(mesh.axis_names)}."
+    )
+  devices = math.prod(mesh.shape[a] for a in axes)
+
+  def zeros(leaf):
+    out = jnp.zeros((devices, *jnp.shape(leaf)), dtype)
+    sharding = NamedSharding(mesh, P(axes))
+    if isinstance(leaf, jax.core.Tracer) or not isinstance(mesh, jax.sharding.Mesh):
+      return jax.sharding.reshard(out, sharding.spec) if _explicit(mesh, axes) \
+          else lax.with_sharding_constraint(out, sharding)
+    return jax.device_put(out, sharding)
+
+  return jax.tree.map(zeros, tree)
+
+
+def _explicit(mesh: Any, axes: tuple[str, ...]) -> bool:
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  return all(types[a] == jax.sharding.AxisType.Explicit for a in axes)
+
+
+def _states(opt_state: Any) -> list[AccumulateState]:
+  leaves = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AccumulateState))
+  return [x for x in leaves if isinstance(x, AccumulateState)]
+
+
+def find_state(opt_state: Any) -> AccumulateState:
+  """The one AccumulateState inside an optimizer state (raises if there is not one)."""
+  found = _states(opt_state)
+  if len(found) != 1:
+    raise ValueError(
+        f"The optimizer state holds {len(found)} fxaccum.AccumulateState; the gate needs "
+        "exactly one. Build the optimizer as optax.chain(fxaccum.accumulate(k), ...) and "
+        "initialise it with tx.init(params)."
+    )
+  return found[0]
+
+
+def _replace_state(opt_state: Any, new: AccumulateState) -> Any:
+  return jax.tree.map(lambda x: new if isinstance(x, AccumulateState) else x, opt_state,
+                      is_leaf=lambda x: isinstance(x, AccumulateState))
+
+
+def is_boundary(opt_state: Any) -> jax.Array:
+  """Whether the last gated call ended a window (updated the params).
+
+  Use it to log only real optimizer steps.
+  """
+  state = find_state(opt_state)
+  return (state.micro_step == 0) & (state.optimizer_step > 0)
+
+
+def apply_gradients(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    *,
+    weight: Any = None,
+    **extra_args: Any,
+) -> tuple[Any, Any]:
+  """The functional gate: accumulate ``grads``; on a window's last call, step ``tx``.
+
+  Args:
+    tx: an optax chain containing exactly one :func:`accumulate`.
+    grads: this call's gradient (the params' structure), or ``fxaccum.Unreduced`` from
+      ``fxaccum.value_and_grad(..., reduce=False)`` with ``accumulate(data_axes=...)``.
+    opt_state: ``tx``'s state.
+    params: the params.
+    weight: this call's weight, e.g. its number of valid tokens (default 1: calls weigh
+      equally). Not with ``Unreduced`` grads, which carry their weight.
+    **extra_args: passed to ``tx.update`` on the window's last call.
+
+  Returns:
+    ``(params, opt_state)``; the params change only on a window's last call.
+  """
+  params, opt_state, _ = gate(tx, grads, opt_state, params, weight=weight, **extra_args)
+  return params, opt_state
+
+
+def gate(tx, grads, opt_state, params, *, weight=None, **extra_args):
+  """:func:`apply_gradients` that also returns whether this call was a boundary."""
+  config = _probe(tx, opt_state, params, extra_args)
+  state = find_state(opt_state)
+  state = _add(config, state, grads, weight, params)
+  boundary = state.micro_step >= config.window(state.optimizer_step)
+  grad_dtypes = jax.tree.map(lambda p: jnp.result_type(p), params)
+
+  def step(operands):
+    params, opt_state, state = operands
+    total, weight = state.accumulator, state.weight
+    if config.data_axes:  # the one all-reduce of deferred sync, inside this branch
+      total = jax.tree.map(lambda a: jnp.sum(a, axis=0), total)
+      weight = jnp.sum(weight)
+    mean = jax.tree.map(lambda t, d: safe_divide(t, weight).astype(d), total, grad_dtypes)
+    reset = state._replace(
+        micro_step=jnp.zeros_like(state.micro_step),
+        optimizer_step=state.optimizer_step + 1,
+        accumulator=jax.tree.map(jnp.zeros_like, state.accumulator),
+        weight=jnp.zeros_like(state.weight),
+    )
+    with _gate_session():
+      updates, opt_state = tx.update(mean, _replace_state(opt_state, reset), params,
+                                     **extra_args)
+    return optax.apply_updates(params, updates), opt_state
+
+  def hold(operands):
+    params, opt_state, state = operands
+    return params, _replace_state(opt_state, state)
+
+  operands = (params, opt_state, state)
+  # lax.cond needs identical branch types: cast the held state like the stepped one
+  # (e.g. bf16 params with float32 optimizer moments).
+  stepped = jax.eval_shape(step, operands)
+
+  def hold_like_step(operands):
+    return jax.tree.map(lambda x, s: lax.convert_element_type(x, s.dtype), hold(operands),
+                        stepped)
+
+  params, opt_state = lax.cond(boundary, step, hold_like_step, operands)
+  return params, opt_state, boundary
+
+
+def _probe(tx, opt_state, params, extra_args) -> _Config:
+  """Finds the accumulate config by tracing ``tx.update`` abstractly in a gate session."""
+  zeros = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
+  with _gate_session() as found:
+    jax.eval_shape(lambda g: tx.update(g, opt_state, params, **extra_args), zeros)
+  if len(found) != 1:
+    raise ValueError(
+        f"tx runs {len(found)} fxaccum.accumulate transformations; the gate needs exactly "
+        "one, e.g. optax.chain(fxaccum.accumulate(k), optax.adam(1e-3))."
+    )
+  return found[0]
+
+
+def _add(config: _Config, state: AccumulateState, grads: Any, weight: Any,
+         params: Any) -> AccumulateState:
+  """The state after adding one call's gradient (no collective for deferred sync)."""
+  unreduced = isinstance(grads, sync.Unreduced)
+  if bool(config.data_axes) != unreduced:
+    if unreduced:
+      raise TypeError(
+          "Got fxaccum.Unreduced gradients (per-device partial sums), but accumulate was "
+          "built without data_axes. Use fxaccum.accumulate(k, data_axes=...) or compute "
+          "reduced gradients (reduce=True, the default)."
+      )
+    raise TypeError(
+        f"accumulate(data_axes={config.data_axes}) keeps per-device partial sums and needs "
+        "fxaccum.Unreduced gradients: compute them with "
+        "fxaccum.value_and_grad(..., reduce=False)."
+    )
+  if unreduced:
+    if weight is not None:
+      raise ValueError(
+          "fxaccum.Unreduced gradients carry their own weight; do not pass weight=.")
+    total, weight = grads.total, grads.weight.astype(jnp.float32)
+  else:
+    weight = jnp.float32(1) if weight is None else jnp.asarray(weight)
+    if weight.shape:
+      raise ValueError(f"weight must be a scalar (this call's count), got shape {weight.shape}.")
+    weight = weight.astype(jnp.float32)
+    total = grads
+  params_def, grads_def = jax.tree.structure(params), jax.tree.structure(total)
+  if params_def != grads_def:
+    raise ValueError(
+        f"The gradient's tree structure does not match the params': {grads_def} vs "
+        f"{params_def}. Pass grads for exactly the params the optimizer was built for."
+    )
+
+  def contribution(g):
+    g = g.astype(config.accum_dtype)
+    return g if unreduced else g * weight.astype(config.accum_dtype)
+
+  added = jax.tree.map(contribution, total)
+  skipped = state.skipped
+  if config.skip_nonfinite:
+    finite = jnp.all(jnp.isfinite(weight))
+    for leaf in jax.tree.leaves(added):
+      finite &= jnp.all(jnp.isfinite(leaf))
+    added = jax.tree.map(lambda a: jnp.where(finite, a, 0), added)
+    weight = jnp.where(finite, weight, 0)
+    skipped = skipped + (~finite).astype(skipped.dtype)
+  return state._replace(
+      micro_step=state.micro_step + 1,
+      accumulator=jax.tree.map(jnp.add, state.accumulator, added),
+      weight=state.weight + weight,
+      skipped=skipped,
+  )

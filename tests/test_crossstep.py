@@ -1,0 +1,300 @@
+"""Cross-step accumulation == the same optimizer on the k-times larger batch."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+from helpers import assert_tree_close
+
+import fxaccum
+
+K, STEPS, MICRO = 4, 3, 8  # calls per window, optimizer steps, examples per call
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2)(nn.tanh(nn.Dense(16)(x)))
+
+
+def data(calls, seed=0, micro=MICRO):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(calls, micro, 4)).astype(np.float32)
+  y = rng.normal(size=(calls, micro, 2)).astype(np.float32)
+  return x, y
+
+
+MODEL = MLP()
+PARAMS = MODEL.init(jax.random.key(0), jnp.ones((1, 4)))
+
+
+def mse(params, x, y):
+  return jnp.mean((MODEL.apply(params, x) - y) ** 2)
+
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw_warmup_cosine": lambda: optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10), weight_decay=0.1),
+    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "clip_then_adam": lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)),
+}
+
+
+def large_batch_reference(inner, x, y, k=K):
+  """The inner optimizer on the k-times larger batch: one step per window."""
+  params, state = PARAMS, inner.init(PARAMS)
+  for step in range(x.shape[0] // k):
+    xb = x[step * k:(step + 1) * k].reshape(-1, 4)
+    yb = y[step * k:(step + 1) * k].reshape(-1, 2)
+    updates, state = inner.update(jax.grad(mse)(params, xb, yb), state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_linen_train_state_matches_large_batch(name):
+  x, y = data(K * STEPS)
+  state = fxaccum.TrainState.create(
+      apply_fn=MODEL.apply, params=PARAMS,
+      tx=optax.chain(fxaccum.accumulate(K), OPTIMIZERS[name]()))
+
+  @jax.jit
+  def train_step(state, x, y):
+    return state.apply_gradients(grads=jax.grad(mse)(state.params, x, y))
+
+  for call in range(K * STEPS):
+    state = train_step(state, x[call], y[call])
+    assert int(state.step) == (call + 1) // K  # optimizer steps, not calls
+    assert bool(fxaccum.is_boundary(state.opt_state)) == ((call + 1) % K == 0)
+  ref_params, ref_state = large_batch_reference(OPTIMIZERS[name](), x, y)
+  assert_tree_close(state.params, ref_params, rtol=1e-6)
+  assert_tree_close(state.opt_state[1], ref_state, rtol=1e-6)
+  counts = [c for path, c in jax.tree_util.tree_flatten_with_path(state.opt_state[1])[0]
+            if "count" in jax.tree_util.keystr(path)]
+  assert bool(counts) == (name != "sgd_momentum")  # sgd's TraceState has no count
+  assert all(int(c) == STEPS for c in counts)  # Adam and schedules: once per window
+  acc = state.opt_state[0]
+  assert int(acc.optimizer_step) == STEPS and int(acc.micro_step) == 0
+
+
+def test_nnx_optimizer_matches_large_batch():
+  x, y = data(K * STEPS)
+
+  class NNXMLP(nnx.Module):
+    def __init__(self, rngs):
+      self.a, self.b = nnx.Linear(4, 16, rngs=rngs), nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.b(jnp.tanh(self.a(x)))
+
+  def loss(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+  model = NNXMLP(nnx.Rngs(0))
+  ref_model = nnx.clone(model)
+  opt = fxaccum.Optimizer(model, optax.chain(fxaccum.accumulate(K), optax.adam(1e-2)),
+                          wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, opt, x, y):
+    opt.update(model, nnx.grad(loss)(model, x, y))
+
+  for call in range(K * STEPS):
+    train_step(model, opt, x[call], y[call])
+  assert int(opt.step[...]) == STEPS and int(opt.micro_step) == 0
+
+  ref_opt = nnx.Optimizer(ref_model, optax.adam(1e-2), wrt=nnx.Param)
+  for step in range(STEPS):
+    xb, yb = x[step * K:(step + 1) * K].reshape(-1, 4), y[step * K:(step + 1) * K].reshape(-1, 2)
+    ref_opt.update(ref_model, nnx.grad(loss)(ref_model, xb, yb))
+  assert_tree_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param), rtol=1e-6)
+  assert_tree_close(nnx.as_pure(opt.opt_state)[1], nnx.as_pure(ref_opt.opt_state), rtol=1e-6)
+
+
+def test_same_params_as_optax_multisteps():
+  x, y = data(K * STEPS)
+  tx = optax.chain(fxaccum.accumulate(K), optax.adam(1e-2))
+  params, opt_state = PARAMS, tx.init(PARAMS)
+  multi = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=K)
+  m_params, m_state = PARAMS, multi.init(PARAMS)
+  for call in range(K * STEPS):
+    g = jax.grad(mse)(params, x[call], y[call])
+    params, opt_state = fxaccum.apply_gradients(tx, g, opt_state, params)
+    updates, m_state = multi.update(jax.grad(mse)(m_params, x[call], y[call]), m_state, m_params)
+    m_params = optax.apply_updates(m_params, updates)
+  assert_tree_close(params, m_params, rtol=1e-6)
+
+
+def weighted_loss(params, x, y, mask):
+  per_example = jnp.mean((MODEL.apply(params, x) - y) ** 2, axis=-1)
+  return fxaccum.Weighted(jnp.sum(mask * per_example), jnp.sum(mask))
+
+
+def test_weighted_calls_with_uneven_and_zero_token_counts():
+  x, y = data(K)
+  counts = [7, 1, 0, 3]  # a zero-token call included
+  mask = (np.arange(MICRO)[None] < np.array(counts)[:, None]).astype(np.float32)
+  tx = optax.chain(fxaccum.accumulate(K), optax.sgd(1.0))
+  params, opt_state = PARAMS, tx.init(PARAMS)
+  grad_fn = fxaccum.grad(weighted_loss, micro_batches=1, batch_argnums=(1, 2, 3))
+  for call in range(K):
+    g = grad_fn(params, x[call], y[call], mask[call])
+    params, opt_state = fxaccum.apply_gradients(tx, g, opt_state, PARAMS,
+                                                weight=mask[call].sum())
+  # Reference: the token mean over the whole window, one SGD step of lr 1.
+  ref_grad = jax.grad(lambda p: weighted_loss(p, x.reshape(-1, 4), y.reshape(-1, 2),
+                                              mask.reshape(-1)).value())(PARAMS)
+  ref = jax.tree.map(lambda p, g: p - g, PARAMS, ref_grad)
+  assert_tree_close(params, ref, rtol=1e-6)
+
+  # Negative control: the same calls weighed equally give a visibly different step.
+  tx2 = optax.chain(fxaccum.accumulate(K), optax.sgd(1.0))
+  naive, state2 = PARAMS, tx2.init(PARAMS)
+  for call in range(K):
+    naive, state2 = fxaccum.apply_gradients(
+        tx2, grad_fn(PARAMS, x[call], y[call], mask[call]), state2, PARAMS)
+  delta = lambda p: np.concatenate([np.ravel(a - b) for a, b in  # noqa: E731
+                                    zip(jax.tree.leaves(p), jax.tree.leaves(PARAMS), strict=True)])
+  rel = np.max(np.abs(delta(naive) - delta(ref))) / np.max(np.abs(delta(ref)))
+  assert rel > 1e-2
+
+
+def test_in_step_inside_cross_step_is_exact():
+  """micro_batches=m inside accumulate(n): m*n micro-batches, token-weighted, exactly."""
+  m, n = 2, 3
+  x, y = data(n, micro=8)
+  rng = np.random.default_rng(3)
+  mask = (rng.random((n, 8)) < 0.5).astype(np.float32)
+  mask[1] = 0.0  # one whole call without tokens
+  tx = optax.chain(fxaccum.accumulate(n), optax.sgd(1.0))
+  params, opt_state = PARAMS, tx.init(PARAMS)
+  grad_fn = jax.jit(fxaccum.grad(weighted_loss, micro_batches=m, batch_argnums=(1, 2, 3)))
+  for call in range(n):
+    params, opt_state = fxaccum.apply_gradients(
+        tx, grad_fn(PARAMS, x[call], y[call], mask[call]), opt_state, PARAMS,
+        weight=mask[call].sum())
+  ref_grad = jax.grad(lambda p: weighted_loss(p, x.reshape(-1, 4), y.reshape(-1, 2),
+                                              mask.reshape(-1)).value())(PARAMS)
+  assert_tree_close(params, jax.tree.map(lambda p, g: p - g, PARAMS, ref_grad), rtol=1e-6)
+
+
+def test_every_k_schedule():
+  schedule = lambda step: jnp.where(step == 0, 1, jnp.where(step == 1, 2, 3))  # noqa: E731
+  windows = [1, 2, 3]
+  x, y = data(sum(windows))
+  tx = optax.chain(fxaccum.accumulate(schedule), optax.adam(1e-2))
+  state = fxaccum.TrainState.create(apply_fn=MODEL.apply, params=PARAMS, tx=tx)
+  steps_seen = []
+  for call in range(sum(windows)):
+    state = state.apply_gradients(grads=jax.grad(mse)(state.params, x[call], y[call]))
+    steps_seen.append(int(state.step))
+  assert steps_seen == [1, 1, 2, 2, 2, 3]
+
+  inner = optax.adam(1e-2)
+  params, inner_state, start = PARAMS, inner.init(PARAMS), 0
+  for w in windows:
+    g = jax.grad(mse)(params, x[start:start + w].reshape(-1, 4), y[start:start + w].reshape(-1, 2))
+    updates, inner_state = inner.update(g, inner_state, params)
+    params, start = optax.apply_updates(params, updates), start + w
+  assert_tree_close(state.params, params, rtol=1e-6)
+
+
+def test_skip_nonfinite_drops_the_call():
+  x, y = data(K)
+  tx = optax.chain(fxaccum.accumulate(K, skip_nonfinite=True), optax.sgd(1.0))
+  params, opt_state = PARAMS, tx.init(PARAMS)
+  for call in range(K):
+    g = jax.grad(mse)(PARAMS, x[call], y[call])
+    if call == 2:
+      g = jax.tree.map(lambda a: a.at[(0,) * a.ndim].set(jnp.nan), g)
+    params, opt_state = fxaccum.apply_gradients(tx, g, opt_state, PARAMS)
+  kept = [0, 1, 3]
+  ref_grad = jax.grad(mse)(PARAMS, x[kept].reshape(-1, 4), y[kept].reshape(-1, 2))
+  assert_tree_close(params, jax.tree.map(lambda p, g: p - g, PARAMS, ref_grad), rtol=1e-6)
+  assert int(opt_state[0].skipped) == 1 and int(opt_state[0].optimizer_step) == 1
+
+  # Without skip_nonfinite the NaN reaches the params (the documented default).
+  tx = optax.chain(fxaccum.accumulate(K), optax.sgd(1.0))
+  params, opt_state = PARAMS, tx.init(PARAMS)
+  for call in range(K):
+    g = jax.grad(mse)(PARAMS, x[call], y[call])
+    g = jax.tree.map(lambda a: a.at[(0,) * a.ndim].set(jnp.nan), g) if call == 2 else g
+    params, opt_state = fxaccum.apply_gradients(tx, g, opt_state, PARAMS)
+  assert any(bool(jnp.isnan(p).any()) for p in jax.tree.leaves(params))
+
+
+def test_bf16_params_with_f32_adam_moments():
+  x, y = data(K * 2)
+  params16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), PARAMS)
+  tx = optax.chain(fxaccum.accumulate(K), optax.adam(1e-2, mu_dtype=jnp.float32))
+  state = fxaccum.TrainState.create(apply_fn=MODEL.apply, params=params16, tx=tx)
+
+  @jax.jit
+  def train_step(state, x, y):
+    return state.apply_gradients(grads=jax.grad(mse)(state.params, x, y))
+
+  for call in range(K * 2):
+    state = train_step(state, x[call], y[call])
+  assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(state.params))
+  ref_params, _ = large_batch_reference(optax.adam(1e-2), x, y)
+  assert_tree_close(jax.tree.map(lambda p: p.astype(jnp.float32), state.params), ref_params,
+                    rtol=3e-2, floor=3e-2)
+
+
+def test_donated_state_is_aliased_and_scan_over_calls():
+  x, y = data(K * 2)
+  tx = optax.chain(fxaccum.accumulate(K), optax.adam(1e-2))
+  state = fxaccum.TrainState.create(apply_fn=MODEL.apply, params=PARAMS, tx=tx)
+
+  def train_step(state, x, y):
+    return state.apply_gradients(grads=jax.grad(mse)(state.params, x, y))
+
+  rep = fxaccum.diagnostics.report(jax.jit(train_step, donate_argnums=0), state, x[0], y[0])
+  state_bytes = sum(jnp.asarray(a).nbytes for a in jax.tree.leaves(state))  # as jit sees them
+  assert rep.memory.alias_bytes >= state_bytes, (rep.memory, state_bytes)
+
+  # lax.scan over calls gives the same result as a Python loop of jitted calls.
+  scanned, _ = jax.jit(lambda s, x, y: jax.lax.scan(
+      lambda s, xy: (train_step(s, *xy), None), s, (x, y)))(state, x, y)
+  looped = state
+  for call in range(K * 2):
+    looped = jax.jit(train_step)(looped, x[call], y[call])
+  assert_tree_close(scanned.params, looped.params, rtol=1e-6)
+  assert int(scanned.step) == int(looped.step) == 2
+
+
+def test_ungated_use_fails_loudly():
+  tx = optax.chain(fxaccum.accumulate(K), optax.adam(1e-2))
+  grads = jax.grad(mse)(PARAMS, *[a[0] for a in data(1)])
+  with pytest.raises(RuntimeError, match="fxaccum.TrainState.*fxaccum.Optimizer.*apply_grad"):
+    tx.update(grads, tx.init(PARAMS), PARAMS)
+  stock = train_state.TrainState.create(apply_fn=MODEL.apply, params=PARAMS, tx=tx)
+  with pytest.raises(RuntimeError, match="outside a gate"):
+    stock.apply_gradients(grads=grads)
+  with pytest.raises(RuntimeError, match="outside a gate"):
+    jax.jit(lambda s: s.apply_gradients(grads=grads))(stock)
+  model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  with pytest.raises(RuntimeError, match="outside a gate"):
+    opt.update(model, nnx.grad(lambda m: jnp.mean(m(jnp.ones((2, 4))) ** 2))(model))
+
+
+def test_gate_errors():
+  grads = jax.grad(mse)(PARAMS, *[a[0] for a in data(1)])
+  with pytest.raises(ValueError, match="0 fxaccum.accumulate transformations"):
+    fxaccum.apply_gradients(optax.adam(1e-2), grads, optax.adam(1e-2).init(PARAMS), PARAMS)
+  tx = optax.chain(fxaccum.accumulate(K), optax.adam(1e-2))
+  with pytest.raises(ValueError, match="tree structure does not match"):
+    fxaccum.apply_gradients(tx, {"other": 1.0}, tx.init(PARAMS), PARAMS)
+  with pytest.raises(ValueError, match="every_k must be a positive int"):
+    fxaccum.accumulate(0)
+  with pytest.raises(TypeError, match="per-device partial sums and needs"):
+    tx2 = optax.chain(fxaccum.accumulate(K, data_axes="data"), optax.sgd(1.0))
+    mesh = jax.make_mesh((8,), ("data",))
+    with jax.set_mesh(mesh):
+      fxaccum.apply_gradients(tx2, grads, tx2.init(PARAMS), PARAMS)

@@ -1,0 +1,91 @@
+"""Deferred (cond-based) sync: per-device partial sums, one reduction per optimizer step."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import (
+    AXIS_TYPES,
+    assert_tree_close,
+    make_data,
+    make_params,
+    mesh_of,
+    put,
+    weighted_loss,
+)
+from jax.sharding import PartitionSpec as P
+
+import fxaccum
+from fxaccum import diagnostics
+
+DATA = {"x": P("data"), "y": P("data"), "mask": P("data")}
+K = 4
+
+
+def train_step_fn(grad_fn):
+  def train_step(state, batch):
+    loss, grads = grad_fn(state.params, batch)
+    return state.apply_gradients(grads=grads), loss
+  return train_step
+
+
+def one_device_run(params, calls):
+  """Reference: reduced gradients, per-call weights, no mesh."""
+  tx = optax.chain(fxaccum.accumulate(K), optax.adam(1e-2))
+  state = fxaccum.TrainState.create(apply_fn=None, params=params, tx=tx)
+  grad_fn = fxaccum.value_and_grad(weighted_loss, micro_batches=2)
+  for batch in calls:
+    _, grads = grad_fn(state.params, batch)
+    state = state.apply_gradients(grads=grads, weight=batch["mask"].sum())
+  return state
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
+def test_deferred_sync_reduces_only_inside_the_boundary_branch(axis_type):
+  params = make_params()
+  calls = [make_data(seed=s, k=2) for s in range(2 * K)]
+  mesh = mesh_of((8,), ("data",), axis_type)
+  tx = optax.chain(fxaccum.accumulate(K, data_axes="data"), optax.adam(1e-2))
+  grad_fn = fxaccum.value_and_grad(weighted_loss, micro_batches=2, reduce=False)
+  step = jax.jit(train_step_fn(grad_fn))
+  with jax.set_mesh(mesh):
+    state = fxaccum.TrainState.create(apply_fn=None, params=put(params, mesh, {}), tx=tx)
+    acc = state.opt_state[0].accumulator
+    # One partial sum per device, sharded: each device holds one gradient copy.
+    assert all(a.shape[0] == 8 and a.sharding.shard_shape(a.shape)[0] == 1
+               for a in jax.tree.leaves(acc))
+    rep = diagnostics.report(step, state, put(calls[0], mesh, DATA))
+    for batch in calls:
+      state, _ = step(state, put(batch, mesh, DATA))
+
+  grad_bytes = sum(np.asarray(p).nbytes for p in jax.tree.leaves(params))
+  outside = [c for c in rep.reductions() if c.place != "conditional"]
+  # Outside the branch only the per-call loss (two f32 scalars) is reduced, no gradient.
+  assert all(c.bytes <= 16 for c in outside), rep.summary()
+  assert rep.bytes_per_call(diagnostics.REDUCTIONS, place="conditional") >= grad_bytes
+  assert int(state.step) == 2
+
+  ref = one_device_run(params, calls)
+  assert_tree_close(state.params, ref.params, rtol=1e-5)
+  assert_tree_close(state.opt_state[1], ref.opt_state[1], rtol=1e-5)
+
+
+def test_reduced_gradients_reduce_every_call():
+  """Without data_axes the reduction runs each call (the documented cost)."""
+  params = make_params()
+  mesh = mesh_of((8,), ("data",), AXIS_TYPES[1])
+  tx = optax.chain(fxaccum.accumulate(K), optax.adam(1e-2))
+  step = jax.jit(train_step_fn(fxaccum.value_and_grad(weighted_loss, micro_batches=2)))
+  with jax.set_mesh(mesh):
+    state = fxaccum.TrainState.create(apply_fn=None, params=put(params, mesh, {}), tx=tx)
+    rep = diagnostics.report(step, state, put(make_data(k=2), mesh, DATA))
+  grad_bytes = sum(np.asarray(p).nbytes for p in jax.tree.leaves(params))
+  assert rep.bytes_per_call(diagnostics.REDUCTIONS, place="top") >= grad_bytes
+
+
+def test_unreduced_requires_replicated_params():
+  mesh = mesh_of((8,), ("data",), AXIS_TYPES[1])
+  specs = {"w1": P("data", None)}
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="reduce=False.*FSDP"):
+    jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=2, reduce=False))(
+        put(make_params(), mesh, specs), put(make_data(k=2), mesh, DATA))
