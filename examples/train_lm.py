@@ -75,6 +75,29 @@ def synthetic_batch(rng: np.random.Generator, batch: int, seq: int, vocab: int):
           "mask": mask}
 
 
+def token_loss(model: TinyLM):
+  """The LM's loss as summed token cross-entropy and the valid-token count."""
+
+  def loss_fn(params, batch):
+    logits = model.apply(params, batch["inputs"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    # Summed token losses and the token count: exact across micro-batches and devices.
+    return fxaccum.Weighted(jnp.sum(batch["mask"] * losses), jnp.sum(batch["mask"]))
+
+  return loss_fn
+
+
+def data_mesh() -> jax.sharding.Mesh:
+  """All devices on one data axis (Auto: linen's Embed cannot gather data-sharded indices
+  on an Explicit mesh)."""
+  return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
+
+
+def shard(batch, mesh):
+  """Places every leaf of ``batch`` split over the mesh's data axis."""
+  return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), batch)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=40)
@@ -85,15 +108,9 @@ def main() -> None:
   args = parser.parse_args()
 
   model = TinyLM()
-  # Auto axes: linen's Embed cannot gather data-sharded indices on an Explicit mesh.
-  mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
+  mesh = data_mesh()
   rng = np.random.default_rng(0)
-
-  def loss_fn(params, batch):
-    logits = model.apply(params, batch["inputs"])
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    # Summed token losses and the token count: exact across micro-batches and devices.
-    return fxaccum.Weighted(jnp.sum(batch["mask"] * losses), jnp.sum(batch["mask"]))
+  loss_fn = token_loss(model)
 
   tx = optax.adam(args.lr)
   grad_fn = fxaccum.value_and_grad(loss_fn, micro_batches=args.micro_batches)
@@ -104,21 +121,18 @@ def main() -> None:
     updates, opt_state = tx.update(grads, opt_state, params)  # apply-grad: once
     return optax.apply_updates(params, updates), opt_state, loss
 
-  def shard(batch):
-    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), batch)
-
   with jax.set_mesh(mesh):
     params = model.init(jax.random.key(0), jnp.zeros((1, args.seq), jnp.int32))
     opt_state = tx.init(params)
     losses = []
     for _ in trange(args.steps):
-      batch = shard(synthetic_batch(rng, args.batch, args.seq, model.vocab))
+      batch = shard(synthetic_batch(rng, args.batch, args.seq, model.vocab), mesh)
       params, opt_state, loss = train_step(params, opt_state, batch)
       losses.append(float(loss))
     print(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f}")
 
     # Proof 1: accumulated gradient == large-batch gradient on the same batch.
-    batch = shard(synthetic_batch(rng, args.batch, args.seq, model.vocab))
+    batch = shard(synthetic_batch(rng, args.batch, args.seq, model.vocab), mesh)
     _, grads = jax.jit(grad_fn)(params, batch)
     _, ref = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b).value()))(params, batch)
     # Relative to the gradient's largest entry: some leaves (the attention key bias) are

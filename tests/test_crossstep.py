@@ -298,3 +298,37 @@ def test_gate_errors():
     mesh = jax.make_mesh((8,), ("data",))
     with jax.set_mesh(mesh):
       fxaccum.apply_gradients(tx2, grads, tx2.init(PARAMS), PARAMS)
+
+
+def test_nnx_scan_over_calls_matches_a_loop():
+  x, y = data(K * 2)
+
+  def build():
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    return model, fxaccum.Optimizer(
+        model, optax.chain(fxaccum.accumulate(K), optax.adam(1e-2)), wrt=nnx.Param)
+
+  def loss(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+  def one_call(model, opt, x, y):
+    opt.update(model, nnx.grad(loss)(model, x, y))
+
+  model, opt = build()
+
+  @nnx.jit
+  def run_all(model, opt, xs, ys):
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
+    def body(carry, x, y):
+      model, opt = carry
+      one_call(model, opt, x, y)
+      return model, opt
+
+    body((model, opt), xs, ys)
+
+  run_all(model, opt, x, y)
+  ref_model, ref_opt = build()
+  for call in range(K * 2):
+    nnx.jit(one_call)(ref_model, ref_opt, x[call], y[call])
+  assert int(opt.step[...]) == int(ref_opt.step[...]) == 2
+  assert_tree_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param), rtol=1e-6)
