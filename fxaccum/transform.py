@@ -148,8 +148,9 @@ def accumulate(
 
   def init_fn(params):
     if axes:
-      accumulator = _per_device_zeros(params, axes, accum_dtype)
-      weight = _per_device_zeros(jnp.zeros((), jnp.float32), axes, jnp.float32)
+      mesh = _data_mesh(params, axes)
+      accumulator = _per_device_zeros(params, mesh, axes, accum_dtype)
+      weight = _per_device_zeros(jnp.zeros((), jnp.float32), mesh, axes, jnp.float32)
     else:
       accumulator = jax.tree.map(lambda p: jnp.zeros_like(p, accum_dtype), params)
       weight = jnp.zeros((), jnp.float32)
@@ -172,14 +173,17 @@ def accumulate(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _per_device_zeros(tree: Any, axes: tuple[str, ...], dtype: Any) -> Any:
-  """Zeros with a leading axis of one slot per device of ``axes``, sharded over them."""
-  mesh = sync.find_mesh(jax.tree.leaves(tree))
-  if mesh is None:
+def _data_mesh(params: Any, axes: tuple[str, ...]) -> Any:
+  """The mesh per-device accumulators live on."""
+  mesh = sync.find_mesh(jax.tree.leaves(params))
+  # Under jit without a mesh context only an abstract mesh is known, and JAX cannot place
+  # new arrays on it.
+  if mesh is None or not (isinstance(mesh, jax.sharding.Mesh)
+                          or jax.sharding.get_abstract_mesh().axis_names):
     raise ValueError(
         f"accumulate(data_axes={axes}) needs a mesh to lay out per-device accumulators: "
-        "call tx.init inside `with jax.set_mesh(mesh):` or on params placed with a "
-        "NamedSharding."
+        "call tx.init inside `with jax.set_mesh(mesh):` (required under jax.jit), or "
+        "eagerly on params placed with a NamedSharding."
     )
   missing = [a for a in axes if a not in mesh.axis_names]
   if missing:
@@ -187,22 +191,25 @@ def _per_device_zeros(tree: Any, axes: tuple[str, ...], dtype: Any) -> Any:
         f"accumulate(data_axes={axes}): the mesh has no axes {missing}; its axes are "
         f"{tuple(mesh.axis_names)}."
     )
+  return mesh
+
+
+def _per_device_zeros(tree: Any, mesh: Any, axes: tuple[str, ...], dtype: Any) -> Any:
+  """Zeros with a leading axis of one slot per device of ``axes``, sharded over them."""
   devices = math.prod(mesh.shape[a] for a in axes)
+  sharding = NamedSharding(mesh, P(axes))
+  explicit = all(t == jax.sharding.AxisType.Explicit
+                 for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if a in axes)
 
   def zeros(leaf):
     out = jnp.zeros((devices, *jnp.shape(leaf)), dtype)
-    sharding = NamedSharding(mesh, P(axes))
-    if isinstance(leaf, jax.core.Tracer) or not isinstance(mesh, jax.sharding.Mesh):
-      return jax.sharding.reshard(out, sharding.spec) if _explicit(mesh, axes) \
-          else lax.with_sharding_constraint(out, sharding)
-    return jax.device_put(out, sharding)
+    if explicit:  # sharding in types
+      return jax.sharding.reshard(out, sharding)
+    if isinstance(mesh, jax.sharding.Mesh) and not isinstance(leaf, jax.core.Tracer):
+      return jax.device_put(out, sharding)
+    return lax.with_sharding_constraint(out, sharding)
 
   return jax.tree.map(zeros, tree)
-
-
-def _explicit(mesh: Any, axes: tuple[str, ...]) -> bool:
-  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  return all(types[a] == jax.sharding.AxisType.Explicit for a in axes)
 
 
 def _states(opt_state: Any) -> list[AccumulateState]:

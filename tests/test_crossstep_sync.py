@@ -89,3 +89,20 @@ def test_unreduced_requires_replicated_params():
   with jax.set_mesh(mesh), pytest.raises(ValueError, match="reduce=False.*FSDP"):
     jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=2, reduce=False))(
         put(make_params(), mesh, specs), put(make_data(k=2), mesh, DATA))
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
+def test_per_device_accumulator_layout_for_every_init_path(axis_type):
+  mesh = mesh_of((8,), ("data",), axis_type)
+  tx = optax.chain(fxaccum.accumulate(K, data_axes="data"), optax.adam(1e-2))
+  params = put(make_params(), mesh, {})
+  states = [tx.init(params)]  # eager, the mesh read from the params
+  with jax.set_mesh(mesh):
+    states += [tx.init(params), jax.jit(tx.init)(params)]
+  for state in states:
+    for leaf in jax.tree.leaves((state[0].accumulator, state[0].weight)):
+      assert leaf.shape[0] == 8 and leaf.sharding.shard_shape(leaf.shape)[0] == 1
+  with pytest.raises(ValueError, match="inside `with jax.set_mesh"):
+    jax.jit(tx.init)(params)  # jit without a mesh context: a clear error
+  with pytest.raises(ValueError, match=r"the mesh has no axes \['batch'\]"):
+    optax.chain(fxaccum.accumulate(K, data_axes="batch"), optax.sgd(1.0)).init(params)
