@@ -237,10 +237,13 @@ def _replace_state(opt_state: Any, new: AccumulateState) -> Any:
 def is_boundary(opt_state: Any) -> jax.Array:
   """Whether the last gated call ended a window (updated the params).
 
-  Use it to log only real optimizer steps.
+  Use it to log only real optimizer steps. Takes the optimizer state of a
+  ``fxaccum.TrainState`` (``state.opt_state``), of a ``fxaccum.Optimizer``
+  (``opt.opt_state``) or of the functional gate.
   """
   state = find_state(opt_state)
-  return (state.micro_step == 0) & (state.optimizer_step > 0)
+  # [...] reads plain arrays and flax NNX Variables (an fxaccum.Optimizer's opt_state) alike.
+  return (state.micro_step[...] == 0) & (state.optimizer_step[...] > 0)
 
 
 def apply_gradients(

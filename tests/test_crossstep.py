@@ -106,6 +106,7 @@ def test_nnx_optimizer_matches_large_batch():
 
   for call in range(K * STEPS):
     train_step(model, opt, x[call], y[call])
+    assert bool(fxaccum.is_boundary(opt.opt_state)) == ((call + 1) % K == 0)
   assert int(opt.step[...]) == STEPS and int(opt.micro_step) == 0
 
   ref_opt = nnx.Optimizer(ref_model, optax.adam(1e-2), wrt=nnx.Param)
