@@ -39,21 +39,37 @@ os.environ["XLA_FLAGS"] = (
 
 import argparse  # noqa: E402
 import inspect  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
 import types  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
-import flax  # noqa: E402
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from common import (  # noqa: E402
+    DEVICES,
+    LR,
+    REL_FLOOR,
+    compile_and_report,
+    data_mesh,
+    delta,
+    diff,
+    done_line,
+    environment,
+    errors,
+    figures_line,
+    lm_setup,
+    logger,
+    md_header,
+    md_row,
+    measure,
+    mlp_setup,
+    n_params,
+    ratio,
+    time_ms,
+    write_json,
+)
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -62,109 +78,7 @@ from optax.microbatching import _microbatching  # noqa: E402
 import fxaccum  # noqa: E402
 from fxaccum import diagnostics  # noqa: E402
 
-DEVICES = 8
 K_REF = 8  # micro-batches of the baselines (plain scan, MultiSteps, optax.microbatching)
-LR = 1e-3
-
-
-# --------------------------------------------------------------------------- models
-
-
-class MLP(nn.Module):
-  """in -> width, ``depth`` x (width -> width), -> out, with gelu."""
-
-  width: int
-  depth: int
-  out: int
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.gelu(nn.Dense(self.width)(x))
-    for _ in range(self.depth):
-      x = nn.gelu(nn.Dense(self.width)(x))
-    return nn.Dense(self.out)(x)
-
-
-class Block(nn.Module):
-  """Pre-LN causal self-attention + 4x MLP."""
-
-  width: int
-  heads: int
-
-  @nn.compact
-  def __call__(self, x, mask):
-    x = x + nn.SelfAttention(num_heads=self.heads)(nn.LayerNorm()(x), mask=mask)
-    h = nn.gelu(nn.Dense(4 * self.width)(nn.LayerNorm()(x)))
-    return x + nn.Dense(self.width)(h)
-
-
-class Embed(nn.Module):
-  """Token embedding whose gather spells out its output sharding (Explicit meshes need it
-  for a replicated table indexed by data-sharded tokens; ``nn.Embed`` leaves it out)."""
-
-  vocab: int
-  width: int
-
-  @nn.compact
-  def __call__(self, tokens):
-    table = self.param("embedding", nn.initializers.normal(1.0), (self.vocab, self.width))
-    spec = tuple(jax.typeof(tokens).sharding.spec)
-    spec += (None,) * (tokens.ndim - len(spec))
-    return table.at[tokens].get(out_sharding=P(*spec, None))
-
-
-class LM(nn.Module):
-  """A small causal transformer language model."""
-
-  vocab: int
-  width: int
-  layers: int
-  heads: int
-  seq: int
-
-  @nn.compact
-  def __call__(self, tokens):
-    x = Embed(self.vocab, self.width)(tokens)
-    x = x + self.param("pos", nn.initializers.normal(0.02), (self.seq, self.width))
-    mask = nn.make_causal_mask(tokens)
-    for _ in range(self.layers):
-      x = Block(self.width, self.heads)(x, mask)
-    return nn.Dense(self.vocab)(nn.LayerNorm()(x))
-
-
-def mlp_setup(quick: bool) -> dict[str, Any]:
-  """The MLP regression problem: model, loss, params and the global batch (host arrays)."""
-  width, depth, dim, batch = (64, 2, 8, 64) if quick else (1024, 4, 32, 512)
-  model = MLP(width=width, depth=depth, out=dim)
-  rng = np.random.default_rng(0)
-  data = {"x": rng.normal(size=(batch, dim)).astype(np.float32),
-          "y": rng.normal(size=(batch, dim)).astype(np.float32)}
-  params = jax.jit(model.init)(jax.random.key(0), data["x"][:1])
-
-  def loss_fn(params, batch):
-    return jnp.mean((model.apply(params, batch["x"]) - batch["y"]) ** 2)
-
-  config = {"width": width, "hidden_layers": depth, "in_out_dim": dim, "global_batch": batch}
-  return {"loss": loss_fn, "params": params, "batch": data, "config": config}
-
-
-def lm_setup(quick: bool) -> dict[str, Any]:
-  """The LM problem: next-token cross-entropy (mean over tokens) on random tokens."""
-  vocab, width, seq = (64, 32, 32) if quick else (256, 128, 256)
-  layers, heads, batch = 2, 4, 64
-  model = LM(vocab=vocab, width=width, layers=layers, heads=heads, seq=seq)
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, vocab, size=(batch, seq + 1)).astype(np.int32)
-  data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  params = jax.jit(model.init)(jax.random.key(0), data["inputs"][:1])
-
-  def loss_fn(params, batch):
-    logits = model.apply(params, batch["inputs"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-
-  config = {"vocab": vocab, "width": width, "layers": layers, "heads": heads, "seq": seq,
-            "global_batch": batch}
-  return {"loss": loss_fn, "params": params, "batch": data, "config": config}
 
 
 # ------------------------------------------------------------------ gradient methods
@@ -267,55 +181,6 @@ def train_step(value_and_grad: Callable, tx: optax.GradientTransformation) -> Ca
 # ------------------------------------------------------------------------ measuring
 
 
-REL_FLOOR = 1e-3
-
-
-def rel_err(actual: Any, expected: Any, floor: float = REL_FLOOR) -> tuple[float, str]:
-  """Max over leaves of max|a - b| / max|b| (float64), and the worst leaf's path.
-
-  Each leaf's scale ``max|b|`` is floored at ``floor`` x the whole tree's max|b|: a leaf
-  whose exact gradient is 0 (an attention key bias: softmax ignores a shift of the logits)
-  holds only rounding noise (~1e-10), and any two summation orders differ there by ~100%.
-  ``floor=0`` gives the unfloored per-leaf ratio.
-  """
-  pairs = [(jax.tree_util.keystr(path), np.asarray(a, np.float64), np.asarray(b, np.float64))
-           for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(actual)[0],
-                                   jax.tree.leaves(expected), strict=True)]
-  tree_scale = max(float(np.max(np.abs(b), initial=0.0)) for _, _, b in pairs)
-  worst, worst_leaf = 0.0, ""
-  for path, a, b in pairs:
-    scale = max(float(np.max(np.abs(b), initial=0.0)), floor * tree_scale, 1e-30)
-    err = float(np.max(np.abs(a - b), initial=0.0)) / scale
-    if err >= worst:
-      worst, worst_leaf = err, path
-  return worst, worst_leaf
-
-
-def errors(prefix: str, actual: Any, expected: Any) -> dict[str, Any]:
-  """``{prefix}_rel_err`` (floored), ``..._raw`` (unfloored) and ``..._worst_leaf``."""
-  err, leaf = rel_err(actual, expected)
-  raw, raw_leaf = rel_err(actual, expected, floor=0.0)
-  return {f"{prefix}_rel_err": err, f"{prefix}_rel_err_worst_leaf": leaf,
-          f"{prefix}_rel_err_raw": raw, f"{prefix}_rel_err_raw_worst_leaf": raw_leaf}
-
-
-def compile_and_report(fn: Callable, mesh: Any, *args: Any) -> tuple[Any, diagnostics.Report]:
-  """Compiles ``jax.jit(fn)`` once for ``args``; the executable and its diagnostics."""
-  compiled = jax.jit(fn).lower(*args).compile()
-  return compiled, diagnostics.from_compiled(compiled, mesh=mesh)
-
-
-def time_ms(run: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
-  """Median wall time of ``run()`` in ms over ``repeats`` runs, after one warm-up."""
-  jax.block_until_ready(run())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(run())
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times), times
-
-
 def comm_figures(rep: diagnostics.Report, calls: int = 1) -> dict[str, Any]:
   """Gradient-reduction bytes per optimizer step, loop reductions, temp memory."""
   reductions = rep.reductions()
@@ -340,13 +205,7 @@ def run_model(name: str, setup: dict[str, Any], mesh: Any, ks: list[int], repeat
   results: dict[str, Any] = {}
 
   def record(method: str, fn: Callable[[], dict[str, Any]]) -> None:
-    start = time.perf_counter()
-    try:
-      results[method] = fn()
-    except Exception as e:  # noqa: BLE001 - a failing method is reported, not fatal
-      traceback.print_exc()
-      results[method] = {"skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-    results[method]["bench_seconds"] = round(time.perf_counter() - start, 2)
+    results[method] = measure(fn)
     log(f"  {name}/{method}: {_brief(results[method])}")
 
   ref: dict[str, Any] = {}
@@ -370,7 +229,7 @@ def run_model(name: str, setup: dict[str, Any], mesh: Any, ks: list[int], repeat
         ref.update(grads=grads, params=new_params, loss=float(loss))
       out.update(errors("grad", grads, ref["grads"]))
       out.update(errors("params", new_params, ref["params"]))
-      out.update(errors("update", _delta(new_params, params), _delta(ref["params"], params)))
+      out.update(errors("update", delta(new_params, params), delta(ref["params"], params)))
       out["rel_err"], out["rel_err_of"] = out["grad_rel_err"], "grads"
       return out
 
@@ -424,7 +283,7 @@ def run_model(name: str, setup: dict[str, Any], mesh: Any, ks: list[int], repeat
            "note": f"{k} jitted calls per optimizer step; bytes = {k} x per call"}
     out.update(errors("grad", state.acc_grads, ref["grads"]))
     out.update(errors("params", new_params, ref["params"]))
-    out.update(errors("update", _delta(new_params, params), _delta(ref["params"], params)))
+    out.update(errors("update", delta(new_params, params), delta(ref["params"], params)))
     out["rel_err"], out["rel_err_of"] = out["grad_rel_err"], "grads (MultiSteps acc_grads)"
     return out
 
@@ -464,12 +323,6 @@ def _trace_error(fn: Callable, *args: Any) -> str | None:
   return None
 
 
-def _delta(new: Any, old: Any) -> Any:
-  """new - old per leaf, in float64 (the one-step update)."""
-  return jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
-                      new, old)
-
-
 def _brief(r: dict[str, Any]) -> str:
   if "skipped" in r:
     return f"SKIPPED ({r['skipped']})"
@@ -478,10 +331,6 @@ def _brief(r: dict[str, Any]) -> str:
 
 
 # -------------------------------------------------------------------------- report
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-  return None if a is None or b is None or b == 0 else a / b
 
 
 def targets(results: dict[str, dict[str, Any]], ks: list[int]) -> dict[str, Any]:
@@ -494,28 +343,28 @@ def targets(results: dict[str, dict[str, Any]], ks: list[int]) -> dict[str, Any]
       return r.get(key)
 
     t = {
-        "time_fxaccum_k8_over_plain_scan_k8": _ratio(get(f8, "ms_per_step"),
+        "time_fxaccum_k8_over_plain_scan_k8": ratio(get(f8, "ms_per_step"),
                                                      get(f"plain_scan_k{K_REF}", "ms_per_step")),
-        "time_fxaccum_k8_over_multisteps_k8": _ratio(get(f8, "ms_per_step"),
+        "time_fxaccum_k8_over_multisteps_k8": ratio(get(f8, "ms_per_step"),
                                                      get(f"multisteps_k{K_REF}", "ms_per_step")),
-        "time_fxaccum_k8_over_large_batch": _ratio(get(f8, "ms_per_step"),
+        "time_fxaccum_k8_over_large_batch": ratio(get(f8, "ms_per_step"),
                                                    get("large_batch", "ms_per_step")),
-        "time_fxaccum_k8_over_optax_microbatch_k8": _ratio(
+        "time_fxaccum_k8_over_optax_microbatch_k8": ratio(
             get(f8, "ms_per_step"), get(f"optax_microbatch_k{K_REF}", "ms_per_step")),
-        "grad_only_time_fxaccum_k8_over_large": _ratio(get(f"grad_only_fxaccum_k{K_REF}",
+        "grad_only_time_fxaccum_k8_over_large": ratio(get(f"grad_only_fxaccum_k{K_REF}",
                                                            "ms_per_step"),
                                                        get("grad_only_large", "ms_per_step")),
-        "bytes_fxaccum_k8_over_plain_scan_k8": _ratio(
+        "bytes_fxaccum_k8_over_plain_scan_k8": ratio(
             get(f8, "reduction_bytes_per_step"),
             get(f"plain_scan_k{K_REF}", "reduction_bytes_per_step")),
-        "bytes_fxaccum_k8_over_multisteps_k8": _ratio(
+        "bytes_fxaccum_k8_over_multisteps_k8": ratio(
             get(f8, "reduction_bytes_per_step"),
             get(f"multisteps_k{K_REF}", "reduction_bytes_per_step")),
-        "bytes_fxaccum_k8_over_large_batch": _ratio(
+        "bytes_fxaccum_k8_over_large_batch": ratio(
             get(f8, "reduction_bytes_per_step"), get("large_batch", "reduction_bytes_per_step")),
     }
-    step_gap = _diff(get(f8, "ms_per_step"), get("large_batch", "ms_per_step"))
-    grad_gap = _diff(get(f"grad_only_fxaccum_k{K_REF}", "ms_per_step"),
+    step_gap = diff(get(f8, "ms_per_step"), get("large_batch", "ms_per_step"))
+    grad_gap = diff(get(f"grad_only_fxaccum_k{K_REF}", "ms_per_step"),
                      get("grad_only_large", "ms_per_step"))
     t["step_gap_ms_fxaccum_k8_minus_large"] = step_gap
     t["grad_only_gap_ms_fxaccum_k8_minus_large"] = grad_gap
@@ -523,34 +372,27 @@ def targets(results: dict[str, dict[str, Any]], ks: list[int]) -> dict[str, Any]
     t["temp_bytes_by_k"] = temps
     t["temp_bytes_large_batch"] = get("large_batch", "temp_bytes")
     if K_REF in ks and 1 in ks:
-      t["temp_ratio_k8_over_k1"] = _ratio(temps[K_REF], temps[1])
-    t["temp_ratio_fxaccum_k8_over_large_batch"] = _ratio(get(f8, "temp_bytes"),
+      t["temp_ratio_k8_over_k1"] = ratio(temps[K_REF], temps[1])
+    t["temp_ratio_fxaccum_k8_over_large_batch"] = ratio(get(f8, "temp_bytes"),
                                                          get("large_batch", "temp_bytes"))
     out[model] = t
   return out
 
 
-def _diff(a: float | None, b: float | None) -> float | None:
-  return None if a is None or b is None else a - b
-
-
 def markdown(results: dict[str, dict[str, Any]]) -> str:
   """One table over all models and methods."""
-  lines = [
-      "| model | method | ms / opt step | reduced MiB / step | reductions in loops "
-      "| temp MiB | max rel err vs large_batch |",
-      "|---|---|---:|---:|---:|---:|---:|",
-  ]
+  lines = md_header(["model", "method", "ms / opt step", "reduced MiB / step",
+                      "reductions in loops", "temp MiB", "max rel err vs large_batch"],
+                     numeric_from=2)
   for model, res in results.items():
     for method, r in res.items():
       if "skipped" in r:
-        lines.append(f"| {model} | {method} | skipped: {r['skipped']} | | | | |")
+        lines.append(md_row([model, method, f"skipped: {r['skipped']}", "", "", "", ""]))
         continue
       temp = "n/a" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.2f}"
-      lines.append(
-          f"| {model} | {method} | {r['ms_per_step']:.1f} "
-          f"| {r['reduction_bytes_per_step'] / 2**20:.2f} | {r['reductions_in_loops']} "
-          f"| {temp} | {r['rel_err']:.1e} |")
+      lines.append(md_row([model, method, f"{r['ms_per_step']:.1f}",
+                           f"{r['reduction_bytes_per_step'] / 2**20:.2f}",
+                           r["reductions_in_loops"], temp, f"{r['rel_err']:.1e}"]))
   return "\n".join(lines)
 
 
@@ -596,13 +438,8 @@ def main() -> None:
   repeats = 1 if args.quick else args.repeats
   lm_repeats = 1 if args.quick else (args.lm_repeats or args.repeats)
   started = time.perf_counter()
-
-  def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - started:7.1f}s] {msg}", flush=True)
-
-  if jax.device_count() < DEVICES:
-    raise SystemExit(f"needs {DEVICES} devices, found {jax.device_count()}")
-  mesh = jax.make_mesh((DEVICES,), ("data",))
+  log = logger(started)
+  mesh = data_mesh()
   setups = {"mlp": (mlp_setup, repeats), "lm": (lm_setup, lm_repeats)}
   results: dict[str, dict[str, Any]] = {}
   configs: dict[str, Any] = {}
@@ -610,14 +447,12 @@ def main() -> None:
     for name in args.models.split(","):
       make, reps = setups[name]
       setup = make(args.quick)
-      n_params = sum(np.size(p) for p in jax.tree.leaves(setup["params"]))
-      configs[name] = {**setup["config"], "params": int(n_params), "repeats": reps}
+      configs[name] = {**setup["config"], "params": n_params(setup["params"]), "repeats": reps}
       log(f"{name}: {configs[name]}")
       results[name] = run_model(name, setup, mesh, ks, reps, log)
 
   table = markdown(results)
   total = time.perf_counter() - started
-  device = jax.devices()[0]
   payload = {
       "benchmark": "instep",
       "command": "python benchmarks/instep.py" + (" --quick" if args.quick else ""),
@@ -626,13 +461,7 @@ def main() -> None:
       "k_baselines": K_REF,
       "optimizer": f"optax.adam({LR})",
       "mesh": {"shape": [DEVICES], "axes": ["data"], "params": "P()", "batch": "P('data')"},
-      "device_kind": device.device_kind,
-      "platform": device.platform,
-      "device_count": jax.device_count(),
-      "host_cpus": os.cpu_count(),
-      "versions": {"jax": jax.__version__, "flax": flax.__version__,
-                   "optax": optax.__version__, "fxaccum": fxaccum.__version__,
-                   "python": platform.python_version()},
+      **environment(),
       "models": configs,
       "results": results,
       "targets": targets(results, ks),
@@ -640,19 +469,15 @@ def main() -> None:
       "table_markdown": table,
       "notes": NOTES,
   }
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(payload, f, indent=2, default=str)
+  write_json(args.out, payload)
   print()
   print(table)
   print()
   print(method_notes(results))
   print()
   for model, t in payload["targets"].items():
-    print(f"{model} targets: " + ", ".join(
-        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.items()))
-  print(f"\nwrote {args.out}; total {total:.1f} s on {jax.device_count()} x "
-        f"{device.device_kind} ({device.platform})")
+    print(figures_line(f"{model} targets", t))
+  print(done_line(args.out, total))
 
 
 if __name__ == "__main__":

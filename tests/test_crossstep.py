@@ -82,7 +82,8 @@ def test_linen_train_state_matches_large_batch(name):
   assert int(acc.optimizer_step) == STEPS and int(acc.micro_step) == 0
 
 
-def test_nnx_optimizer_matches_large_batch():
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_nnx_optimizer_matches_large_batch(name):
   x, y = data(K * STEPS)
 
   class NNXMLP(nnx.Module):
@@ -97,7 +98,7 @@ def test_nnx_optimizer_matches_large_batch():
 
   model = NNXMLP(nnx.Rngs(0))
   ref_model = nnx.clone(model)
-  opt = fxaccum.Optimizer(model, optax.chain(fxaccum.accumulate(K), optax.adam(1e-2)),
+  opt = fxaccum.Optimizer(model, optax.chain(fxaccum.accumulate(K), OPTIMIZERS[name]()),
                           wrt=nnx.Param)
 
   @nnx.jit
@@ -109,7 +110,7 @@ def test_nnx_optimizer_matches_large_batch():
     assert bool(fxaccum.is_boundary(opt.opt_state)) == ((call + 1) % K == 0)
   assert int(opt.step[...]) == STEPS and int(opt.micro_step) == 0
 
-  ref_opt = nnx.Optimizer(ref_model, optax.adam(1e-2), wrt=nnx.Param)
+  ref_opt = nnx.Optimizer(ref_model, OPTIMIZERS[name](), wrt=nnx.Param)
   for step in range(STEPS):
     xb, yb = x[step * K:(step + 1) * K].reshape(-1, 4), y[step * K:(step + 1) * K].reshape(-1, 2)
     ref_opt.update(ref_model, nnx.grad(loss)(ref_model, xb, yb))
