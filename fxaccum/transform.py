@@ -274,8 +274,16 @@ def apply_gradients(
   return params, opt_state
 
 
-def gate(tx, grads, opt_state, params, *, weight=None, **extra_args):
-  """:func:`apply_gradients` that also returns whether this call was a boundary."""
+def gate(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    *,
+    weight: Any = None,
+    **extra_args: Any,
+) -> tuple[Any, Any, jax.Array]:
+  """:func:`apply_gradients` that also returns whether this call ended a window."""
   config = _probe(tx, opt_state, params, extra_args)
   state = find_state(opt_state)
   state = _add(config, state, grads, weight, params)
