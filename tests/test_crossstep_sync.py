@@ -56,7 +56,9 @@ def test_deferred_sync_reduces_only_inside_the_boundary_branch(axis_type):
                for a in jax.tree.leaves(acc))
     rep = diagnostics.report(step, state, put(calls[0], mesh, DATA))
     for batch in calls:
-      state, _ = step(state, put(batch, mesh, DATA))
+      # Wait for each call: back-to-back dispatches of collective programs on simulated
+      # CPU devices can deadlock XLA:CPU's rendezvous (reproduced without fxaccum).
+      state, _ = jax.block_until_ready(step(state, put(batch, mesh, DATA)))
 
   grad_bytes = sum(np.asarray(p).nbytes for p in jax.tree.leaves(params))
   outside = [c for c in rep.reductions() if c.place != "conditional"]
