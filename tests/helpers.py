@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,3 +113,13 @@ def put(tree, mesh, specs):
 
 
 AXIS_TYPES = (AxisType.Auto, AxisType.Explicit)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(path: str, *args: str) -> str:
+  """Runs a repository script (it sets up its own 8 CPU devices) and returns its stdout."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return subprocess.run([sys.executable, str(ROOT / path), *args], capture_output=True,
+                        text=True, timeout=300, env=env, check=True).stdout

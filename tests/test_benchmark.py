@@ -4,21 +4,13 @@ Timings are never asserted: they are figures for docs/performance.md, not tests.
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import run_script
 
 
 def test_instep_benchmark_quick_run(tmp_path):
   out = tmp_path / "instep.json"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  subprocess.run(
-      [sys.executable, str(ROOT / "benchmarks" / "instep.py"), "--quick", "--models", "mlp",
-       "--out", str(out)],
-      capture_output=True, text=True, timeout=300, env=env, check=True)
+  run_script("benchmarks/instep.py", "--quick", "--models", "mlp", "--out", str(out))
   results = json.loads(out.read_text())["results"]["mlp"]
   grad_bytes = results["large_batch"]["reduction_bytes_per_step"]
   for k in (1, 2, 4, 8):
@@ -32,11 +24,7 @@ def test_instep_benchmark_quick_run(tmp_path):
 
 def test_crossstep_benchmark_quick_run(tmp_path):
   out = tmp_path / "crossstep.json"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  subprocess.run(
-      [sys.executable, str(ROOT / "benchmarks" / "crossstep.py"), "--quick", "--models", "mlp",
-       "--out", str(out)],
-      capture_output=True, text=True, timeout=300, env=env, check=True)
+  run_script("benchmarks/crossstep.py", "--quick", "--models", "mlp", "--out", str(out))
   payload = json.loads(out.read_text())
   k, results = payload["k"], payload["results"]["mlp"]
   deferred, multisteps = results["fxaccum_deferred"], results["multisteps"]
