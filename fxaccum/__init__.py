@@ -1,6 +1,6 @@
 """fxaccum: exact, communication-optimal, memory-flat gradient accumulation for JAX."""
 
-from fxaccum import diagnostics
+from fxaccum import checkpoint, diagnostics
 from fxaccum.flax import Optimizer, TrainState
 from fxaccum.grad import grad, value_and_grad
 from fxaccum.sync import Unreduced
@@ -18,6 +18,7 @@ __all__ = [
     "__version__",
     "accumulate",
     "apply_gradients",
+    "checkpoint",
     "diagnostics",
     "grad",
     "is_boundary",

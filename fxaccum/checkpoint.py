@@ -1,0 +1,325 @@
+"""Orbax checkpoints of fxaccum states: mid-window resume, re-sharding, mismatch errors.
+
+Orbax's standard handlers do the I/O; this module adds what they lack for accumulation:
+
+* a restore target that takes every array's sharding from a freshly built state (``like``),
+  so accumulators come back co-sharded with the params on whatever mesh you restore to;
+* a canonical, mesh-independent form of per-device (deferred-sync) accumulators: their sum
+  over devices. Restoring on another number of devices puts the sum in the first device's
+  slot (the window's mean is unchanged, up to float rounding); restoring on the same number
+  of devices uses the raw per-device sums, saved beside it, so the resume is bit-exact;
+* a schema-versioned ``fxaccum`` metadata item, checked on restore together with
+  ``every_k`` and the tree, with errors that say what differs and how to proceed.
+
+Saves are asynchronous, as in Orbax: :func:`save` returns once the write has started; call
+``manager.wait_until_finished()`` before the process exits (:func:`restore` waits for
+pending saves itself). Orbax writes each step to a temporary directory and renames it when
+complete, so a save interrupted by a crash leaves the previous step as ``latest_step``.
+
+Example:
+  >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, fxaccum
+  >>> tx = optax.chain(fxaccum.accumulate(4), optax.adam(1e-3))
+  >>> state = fxaccum.TrainState.create(apply_fn=None, params={"w": jnp.ones(3)}, tx=tx)
+  >>> state = state.apply_gradients(grads={"w": jnp.ones(3)})   # mid-window
+  >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
+  >>> fxaccum.checkpoint.save(manager, 1, state)
+  True
+  >>> fresh = fxaccum.TrainState.create(apply_fn=None, params={"w": jnp.zeros(3)}, tx=tx)
+  >>> restored = fxaccum.checkpoint.restore(manager, 1, fresh)
+  >>> int(restored.micro_step), restored.params["w"]
+  (1, Array([1., 1., 1.], dtype=float32))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from fxaccum import flax as fx_flax
+from fxaccum import sync, transform
+
+__all__ = ["SCHEMA_VERSION", "save", "restore", "CheckpointMismatchError"]
+
+#: Version of the saved layout; bumped when AccumulateState or the items change.
+SCHEMA_VERSION = 1
+_STATE, _META, _PER_DEVICE = "state", "fxaccum", "fxaccum_per_device"
+
+
+class CheckpointMismatchError(ValueError):
+  """The checkpoint does not fit the state it is restored into (see the message)."""
+
+
+@dataclasses.dataclass
+class _View:
+  """A state as a plain pytree of arrays, with what save/restore need to know about it."""
+
+  tree: Any
+  tx: Any
+  params: Any  # the params inside ``tree`` (to read accumulate's config and shardings)
+
+
+def _view(state: Any, model: Any = None, tx: Any = None) -> _View:
+  if isinstance(state, fx_flax.Optimizer):
+    if model is None:
+      raise TypeError(
+          "Saving or restoring an fxaccum.Optimizer needs its model too: "
+          "fxaccum.checkpoint.save(manager, step, optimizer, model=model).")
+    params = nnx.as_pure(nnx.state(model, state.wrt, graph=state.graph))
+    tree = {"model": nnx.as_pure(nnx.state(model)), "optimizer": nnx.as_pure(nnx.state(state))}
+    return _View(tree, state.tx, params)
+  if isinstance(state, fx_flax.TrainState):
+    tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+    return _View(tree, state.tx, state.params)
+  return _View(state, tx, None)
+
+
+def _accumulate_states(tree: Any) -> list[tuple[str, transform.AccumulateState]]:
+  is_state = lambda x: isinstance(x, transform.AccumulateState)  # noqa: E731
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]
+  return [(jax.tree_util.keystr(path), x) for path, x in flat if is_state(x)]
+
+
+def _describe(view: _View) -> dict[str, Any]:
+  """The ``fxaccum`` metadata item: schema and each AccumulateState's configuration."""
+  accumulators = {}
+  config = None
+  if view.tx is not None and view.params is not None and _accumulate_states(view.tree):
+    opt_state = view.tree["opt_state"] if "opt_state" in view.tree else \
+        view.tree["optimizer"]["opt_state"]
+    config = transform._probe(view.tx, opt_state, view.params, {})
+  for index, (path, state) in enumerate(_accumulate_states(view.tree)):
+    per_device = config is not None and bool(config.data_axes)
+    accumulators[path] = {
+        "index": index,
+        "every_k": config.every_k if config is not None and not callable(config.every_k)
+        else None,
+        "data_axes": list(config.data_axes) if config is not None else None,
+        "devices": int(jnp.shape(state.weight)[0]) if per_device else None,
+    }
+  return {"schema": SCHEMA_VERSION, "accumulators": accumulators}
+
+
+def _canonical(tree: Any, meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+  """``tree`` with per-device accumulators summed over devices, and the raw ones apart."""
+  raw = {}
+
+  def canon(path, x):
+    if isinstance(x, transform.AccumulateState):
+      cfg = meta["accumulators"].get(jax.tree_util.keystr(path), {})
+      if cfg.get("devices"):  # Orbax item keys: plain names, so the position
+        raw[str(cfg["index"])] = {"accumulator": x.accumulator, "weight": x.weight}
+        return x._replace(accumulator=jax.tree.map(lambda a: jnp.sum(a, axis=0), x.accumulator),
+                          weight=jnp.sum(x.weight))
+    return x
+
+  canonical = jax.tree_util.tree_map_with_path(
+      canon, tree, is_leaf=lambda x: isinstance(x, transform.AccumulateState))
+  return canonical, raw
+
+
+def save(manager: ocp.CheckpointManager, step: int, state: Any, *, model: Any = None,
+         tx: Any = None, force: bool = False) -> bool:
+  """Saves ``state`` at ``step`` with Orbax's standard handlers (asynchronously).
+
+  Args:
+    manager: an ``orbax.checkpoint.CheckpointManager`` (absolute directory).
+    step: the checkpoint's step number (e.g. the number of calls so far, so mid-window
+      checkpoints get distinct numbers).
+    state: an ``fxaccum.TrainState``, an ``fxaccum.Optimizer`` (pass ``model=``) or any
+      pytree of arrays holding AccumulateStates (pass ``tx=`` to record ``every_k``).
+    model: the NNX model of an ``fxaccum.Optimizer``.
+    tx: the optax chain of a raw pytree state.
+    force: passed to ``manager.save``.
+
+  Returns:
+    Whether Orbax started a save (``manager.save``'s result).
+  """
+  view = _view(state, model, tx)
+  meta = _describe(view)
+  canonical, raw = _canonical(view.tree, meta)
+  items = {_STATE: ocp.args.StandardSave(canonical), _META: ocp.args.JsonSave(meta)}
+  if raw:
+    items[_PER_DEVICE] = ocp.args.StandardSave(raw)
+  return manager.save(step, args=ocp.args.Composite(**items), force=force)
+
+
+def restore(manager: ocp.CheckpointManager, step: int | None, like: Any, *,
+            model: Any = None, tx: Any = None, mesh: Any = None) -> Any:
+  """Restores step ``step`` (``None``: the latest) onto the layout of ``like``.
+
+  Args:
+    manager: the ``CheckpointManager`` the state was saved with.
+    step: the step to restore, or ``None`` for ``manager.latest_step()``.
+    like: a freshly built state of the same kind as the saved one (or its
+      ``jax.eval_shape``): an ``fxaccum.TrainState``, an ``fxaccum.Optimizer`` (with
+      ``model=``; both are updated in place) or a raw pytree (with ``tx=``). Every array is
+      restored with ``like``'s sharding; accumulators take their params' sharding.
+    model: the NNX model of an ``fxaccum.Optimizer``.
+    tx: the optax chain of a raw pytree state.
+    mesh: a concrete mesh to rebuild shardings that are on an abstract mesh (e.g. from
+      ``nnx.eval_shape`` under ``jax.set_mesh``); default: the ``jax.set_mesh`` mesh.
+
+  Returns:
+    The restored state: a ``TrainState`` or raw pytree, or ``like`` itself (updated in
+    place, together with ``model``) for an ``fxaccum.Optimizer``.
+
+  Raises:
+    CheckpointMismatchError: no fxaccum metadata, another schema version, another
+      ``every_k`` or another tree; the message names what differs.
+  """
+  manager.wait_until_finished()
+  if step is None:
+    step = manager.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"No complete checkpoint in {manager.directory}.")
+  saved_meta = None
+  if (manager.directory / str(step) / _META).exists():
+    saved_meta = manager.restore(step, args=ocp.args.Composite(
+        **{_META: ocp.args.JsonRestore()}))[_META]
+  view = _view(like, model, tx)
+  meta = _describe(view)
+  _check(saved_meta, meta, manager, view, step)
+
+  canonical_like, raw_like = _canonical(view.tree, meta)
+  target = _abstract(canonical_like, view.params, mesh)
+  restore_items = {_STATE: ocp.args.StandardRestore(target)}
+  same_devices = {str(cfg["index"]) for key, cfg in meta["accumulators"].items()
+                  if cfg.get("devices")
+                  and saved_meta["accumulators"][key].get("devices") == cfg["devices"]}
+  if raw_like and same_devices:
+    restore_items[_PER_DEVICE] = ocp.args.StandardRestore(
+        _abstract({k: v for k, v in raw_like.items() if k in same_devices}, None, mesh))
+  out = manager.restore(step, args=ocp.args.Composite(**restore_items))
+  tree = _expand(out[_STATE], view.tree, out.get(_PER_DEVICE) or {}, meta)
+  return _rebuild(like, model, tree)
+
+
+def _check(saved_meta, meta, manager, view, step) -> None:
+  if saved_meta is None:
+    raise CheckpointMismatchError(
+        f"Checkpoint step {step} has no fxaccum metadata: it was not written by "
+        "fxaccum.checkpoint.save. Restore its arrays with Orbax directly "
+        "(manager.restore(step)) and copy the params into a fresh state.")
+  if saved_meta.get("schema") != SCHEMA_VERSION:
+    raise CheckpointMismatchError(
+        f"Checkpoint step {step} has fxaccum schema {saved_meta.get('schema')}, this fxaccum "
+        f"reads schema {SCHEMA_VERSION}. Restore it with the fxaccum version that wrote it, "
+        "or restore only the params with Orbax and start a new accumulation window.")
+  saved_acc, acc = saved_meta.get("accumulators", {}), meta["accumulators"]
+  if set(saved_acc) != set(acc):
+    raise CheckpointMismatchError(
+        f"Checkpoint step {step} holds AccumulateStates at {sorted(saved_acc)}, the target at "
+        f"{sorted(acc)}. Build the target with the same optax chain as the saved state.")
+  for key, cfg in acc.items():
+    before = saved_acc[key].get("every_k")
+    if before is not None and cfg.get("every_k") is not None and before != cfg["every_k"]:
+      raise CheckpointMismatchError(
+          f"Checkpoint step {step} was saved with accumulate(every_k={before}) at {key}, the "
+          f"target uses every_k={cfg['every_k']}. Restore with every_k={before}, or restore "
+          "at a window boundary (micro_step 0) after rebuilding the optimizer state.")
+  # Read from the files: a fresh manager has no handlers registered to report it.
+  saved_tree = ocp.StandardCheckpointHandler().metadata(
+      manager.directory / str(step) / _STATE).tree
+  saved_paths = _paths_and_shapes(saved_tree)
+  target_paths = _paths_and_shapes(_canonical(view.tree, meta)[0])
+  if saved_paths != target_paths:
+    missing = sorted(set(saved_paths) - set(target_paths))[:5]
+    extra = sorted(set(target_paths) - set(saved_paths))[:5]
+    raise CheckpointMismatchError(
+        f"Checkpoint step {step} and the target differ: only in the checkpoint: {missing}; "
+        f"only in the target: {extra} (path, shape). Build the target like the saved state "
+        "(same model, params and optax chain).")
+
+
+def _paths_and_shapes(tree: Any) -> set[tuple[str, tuple[int, ...]]]:
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  out = set()
+  for path, leaf in leaves:
+    # Orbax's metadata spells sequence keys like dict keys; compare on key names only.
+    names = tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                  for k in path)
+    out.add((".".join(names), tuple(getattr(leaf, "shape", jnp.shape(leaf)))))
+  return out
+
+
+def _sharding_of(leaf: Any, mesh: Any, default: Any = None) -> Any:
+  sharding = getattr(leaf, "sharding", None) or default
+  if isinstance(sharding, jax.sharding.NamedSharding) and not isinstance(
+      sharding.mesh, jax.sharding.Mesh):
+    concrete = mesh if mesh is not None else jax.sharding.get_mesh()
+    if not getattr(concrete, "axis_names", None):
+      raise ValueError(
+          "The restore target has shardings on an abstract mesh (e.g. from nnx.eval_shape "
+          "under jax.set_mesh); pass mesh= the concrete mesh to restore onto.")
+    sharding = jax.sharding.NamedSharding(concrete, sharding.spec)
+  return sharding
+
+
+def _abstract(tree: Any, params: Any, mesh: Any) -> Any:
+  """ShapeDtypeStructs with ``tree``'s shardings; accumulator leaves take the params'."""
+  # Leaves without a sharding (e.g. TrainState's Python-int step) are replicated on the
+  # target's mesh; leaving them to Orbax would restore the saved topology.
+  target_mesh = mesh or sync.find_mesh(jax.tree.leaves(tree))
+  default = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if target_mesh is None \
+      else jax.sharding.NamedSharding(target_mesh, jax.sharding.PartitionSpec())
+  param_shardings = None if params is None else jax.tree.map(
+      lambda p: _sharding_of(p, mesh, default), params)
+
+  def leaf(x, sharding=None):
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
+                                sharding=sharding or _sharding_of(x, mesh, default))
+
+  def node(x):
+    if isinstance(x, transform.AccumulateState):
+      acc = x.accumulator
+      if param_shardings is not None and jax.tree.structure(acc) == jax.tree.structure(
+          param_shardings):
+        acc = jax.tree.map(leaf, acc, param_shardings)  # co-sharded with the params
+      else:
+        acc = jax.tree.map(leaf, acc)
+      return x._replace(accumulator=acc, **{f: leaf(getattr(x, f)) for f in
+                                            ("micro_step", "optimizer_step", "weight",
+                                             "skipped")})
+    return leaf(x)
+
+  return jax.tree.map(node, tree, is_leaf=lambda x: isinstance(x, transform.AccumulateState))
+
+
+def _expand(canonical: Any, like_tree: Any, raw: dict[str, Any], meta: dict[str, Any]) -> Any:
+  """Back from canonical form to ``like_tree``'s layout (per-device slots where needed)."""
+
+  def expand(path, restored, like):
+    if not isinstance(like, transform.AccumulateState):
+      return restored
+    if jnp.shape(like.weight) == ():  # not per-device
+      return restored
+    key = str(meta["accumulators"][jax.tree_util.keystr(path)]["index"])
+    if key in raw:
+      return restored._replace(accumulator=raw[key]["accumulator"], weight=raw[key]["weight"])
+
+    def slot0(total, like_leaf):  # the sum in the first device's slot, zeros elsewhere
+      full = jnp.zeros(jnp.shape(like_leaf), jnp.result_type(like_leaf)).at[0].set(total)
+      return jax.device_put(full, like_leaf.sharding)
+
+    return restored._replace(
+        accumulator=jax.tree.map(slot0, restored.accumulator, like.accumulator),
+        weight=slot0(restored.weight, like.weight))
+
+  is_state = lambda x: isinstance(x, transform.AccumulateState)  # noqa: E731
+  return jax.tree_util.tree_map_with_path(expand, canonical, like_tree, is_leaf=is_state)
+
+
+def _rebuild(like: Any, model: Any, tree: Any) -> Any:
+  if isinstance(like, fx_flax.Optimizer):
+    nnx.update(model, tree["model"])
+    nnx.update(like, tree["optimizer"])
+    return like
+  if isinstance(like, fx_flax.TrainState):
+    return like.replace(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"])
+  return tree
+
