@@ -113,13 +113,23 @@ def _canonical(tree: Any, meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
       cfg = meta["accumulators"].get(jax.tree_util.keystr(path), {})
       if cfg.get("devices"):  # Orbax item keys: plain names, so the position
         raw[str(cfg["index"])] = {"accumulator": x.accumulator, "weight": x.weight}
-        return x._replace(accumulator=jax.tree.map(lambda a: jnp.sum(a, axis=0), x.accumulator),
-                          weight=jnp.sum(x.weight))
+        if isinstance(x.weight, jax.ShapeDtypeStruct):  # a restore target: shapes only
+          summed = jax.eval_shape(_sum_devices, raw[str(cfg["index"])])
+        else:
+          # One program, awaited: independent collective dispatches back to back can
+          # deadlock XLA:CPU's rendezvous on simulated devices.
+          summed = jax.block_until_ready(_sum_devices(raw[str(cfg["index"])]))
+        return x._replace(**summed)
     return x
 
   canonical = jax.tree_util.tree_map_with_path(
       canon, tree, is_leaf=lambda x: isinstance(x, transform.AccumulateState))
   return canonical, raw
+
+
+@jax.jit
+def _sum_devices(per_device: dict[str, Any]) -> dict[str, Any]:
+  return jax.tree.map(lambda a: jnp.sum(a, axis=0), per_device)
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, *, model: Any = None,
@@ -302,13 +312,15 @@ def _expand(canonical: Any, like_tree: Any, raw: dict[str, Any], meta: dict[str,
     if key in raw:
       return restored._replace(accumulator=raw[key]["accumulator"], weight=raw[key]["weight"])
 
-    def slot0(total, like_leaf):  # the sum in the first device's slot, zeros elsewhere
-      full = jnp.zeros(jnp.shape(like_leaf), jnp.result_type(like_leaf)).at[0].set(total)
-      return jax.device_put(full, like_leaf.sharding)
-
-    return restored._replace(
-        accumulator=jax.tree.map(slot0, restored.accumulator, like.accumulator),
-        weight=slot0(restored.weight, like.weight))
+    # The sum in the first device's slot, zeros elsewhere: one program, placed like `like`.
+    targets = (like.accumulator, like.weight)
+    slots = jax.jit(
+        lambda totals: jax.tree.map(
+            lambda total, slot: jnp.zeros(slot.shape, slot.dtype).at[0].set(total), totals,
+            targets),
+        out_shardings=jax.tree.map(lambda slot: slot.sharding, targets))
+    accumulator, weight = jax.block_until_ready(slots((restored.accumulator, restored.weight)))
+    return restored._replace(accumulator=accumulator, weight=weight)
 
   is_state = lambda x: isinstance(x, transform.AccumulateState)  # noqa: E731
   return jax.tree_util.tree_map_with_path(expand, canonical, like_tree, is_leaf=is_state)
