@@ -328,8 +328,8 @@ def gate(
 def _probe(tx, opt_state, params, extra_args) -> _Config:
   """Finds the accumulate config by tracing ``tx.update`` abstractly in a gate session."""
   zeros = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
-  with _gate_session() as found:
-    jax.eval_shape(lambda g: tx.update(g, opt_state, params, **extra_args), zeros)
+  with _gate_session() as found:  # arguments, not closures: they may be ShapeDtypeStructs
+    jax.eval_shape(lambda g, s, p: tx.update(g, s, p, **extra_args), zeros, opt_state, params)
   if len(found) != 1:
     raise ValueError(
         f"tx runs {len(found)} fxaccum.accumulate transformations; the gate needs exactly "

@@ -10,6 +10,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# A subprocess script (it picks its own device count from argv), not a test module.
+collect_ignore = ["checkpoint_worker.py"]
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _eight_devices():

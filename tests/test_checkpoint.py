@@ -225,3 +225,12 @@ def test_in_step_state_round_trips_and_saves_are_async(tmp_path):
   restored = fxaccum.checkpoint.restore(mgr, None, like, tx=tx)
   assert_trees_equal(restored, state)
   assert type(restored["opt_state"][0]) is type(opt_state[0])
+
+
+def test_restore_onto_an_eval_shape_target(tmp_path):
+  state = linen_step(linen_step(linen_state(), micro_batch(0)), micro_batch(1))
+  mgr = manager(tmp_path)
+  fxaccum.checkpoint.save(mgr, 2, state)
+  restored = fxaccum.checkpoint.restore(mgr, 2, jax.eval_shape(linen_state))
+  assert int(restored.micro_step) == 2
+  assert_trees_equal((restored.params, restored.opt_state), (state.params, state.opt_state))
