@@ -63,7 +63,7 @@ class _View:
   params: Any  # the params inside ``tree`` (to read accumulate's config and shardings)
 
 
-def _view(state: Any, model: Any = None, tx: Any = None) -> _View:
+def _view(state: Any, model: Any = None) -> _View:
   if isinstance(state, fx_flax.Optimizer):
     if model is None:
       raise TypeError(
@@ -75,7 +75,7 @@ def _view(state: Any, model: Any = None, tx: Any = None) -> _View:
   if isinstance(state, fx_flax.TrainState):
     tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
     return _View(tree, state.tx, state.params)
-  return _View(state, tx, None)
+  return _View(state, None, None)
 
 
 def _accumulate_states(tree: Any) -> list[tuple[str, transform.AccumulateState]]:
@@ -87,19 +87,18 @@ def _accumulate_states(tree: Any) -> list[tuple[str, transform.AccumulateState]]
 def _describe(view: _View) -> dict[str, Any]:
   """The ``fxaccum`` metadata item: schema and each AccumulateState's configuration."""
   accumulators = {}
-  config = None
-  if view.tx is not None and view.params is not None and _accumulate_states(view.tree):
+  config = None  # known for TrainState / Optimizer, whose params the gate's probe needs
+  if view.tx is not None and _accumulate_states(view.tree):
     opt_state = view.tree["opt_state"] if "opt_state" in view.tree else \
         view.tree["optimizer"]["opt_state"]
     config = transform._probe(view.tx, opt_state, view.params, {})
   for index, (path, state) in enumerate(_accumulate_states(view.tree)):
-    per_device = config is not None and bool(config.data_axes)
+    every_k = None if config is None or callable(config.every_k) else config.every_k
     accumulators[path] = {
         "index": index,
-        "every_k": config.every_k if config is not None and not callable(config.every_k)
-        else None,
-        "data_axes": list(config.data_axes) if config is not None else None,
-        "devices": int(jnp.shape(state.weight)[0]) if per_device else None,
+        "every_k": every_k,
+        # Per-device (deferred-sync) accumulators carry a device axis, also on the weight.
+        "devices": int(jnp.shape(state.weight)[0]) if jnp.ndim(state.weight) else None,
     }
   return {"schema": SCHEMA_VERSION, "accumulators": accumulators}
 
@@ -133,7 +132,7 @@ def _sum_devices(per_device: dict[str, Any]) -> dict[str, Any]:
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, *, model: Any = None,
-         tx: Any = None, force: bool = False) -> bool:
+         force: bool = False) -> bool:
   """Saves ``state`` at ``step`` with Orbax's standard handlers (asynchronously).
 
   Args:
@@ -141,15 +140,15 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, *, model: Any = 
     step: the checkpoint's step number (e.g. the number of calls so far, so mid-window
       checkpoints get distinct numbers).
     state: an ``fxaccum.TrainState``, an ``fxaccum.Optimizer`` (pass ``model=``) or any
-      pytree of arrays holding AccumulateStates (pass ``tx=`` to record ``every_k``).
+      pytree of arrays (e.g. an in-step ``(params, opt_state)``). ``every_k`` is recorded,
+      and checked on restore, for the first two, whose optimizer fxaccum can inspect.
     model: the NNX model of an ``fxaccum.Optimizer``.
-    tx: the optax chain of a raw pytree state.
     force: passed to ``manager.save``.
 
   Returns:
     Whether Orbax started a save (``manager.save``'s result).
   """
-  view = _view(state, model, tx)
+  view = _view(state, model)
   meta = _describe(view)
   canonical, raw = _canonical(view.tree, meta)
   items = {_STATE: ocp.args.StandardSave(canonical), _META: ocp.args.JsonSave(meta)}
@@ -159,7 +158,7 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, *, model: Any = 
 
 
 def restore(manager: ocp.CheckpointManager, step: int | None, like: Any, *,
-            model: Any = None, tx: Any = None, mesh: Any = None) -> Any:
+            model: Any = None, mesh: Any = None) -> Any:
   """Restores step ``step`` (``None``: the latest) onto the layout of ``like``.
 
   Args:
@@ -167,10 +166,9 @@ def restore(manager: ocp.CheckpointManager, step: int | None, like: Any, *,
     step: the step to restore, or ``None`` for ``manager.latest_step()``.
     like: a freshly built state of the same kind as the saved one (or its
       ``jax.eval_shape``): an ``fxaccum.TrainState``, an ``fxaccum.Optimizer`` (with
-      ``model=``; both are updated in place) or a raw pytree (with ``tx=``). Every array is
-      restored with ``like``'s sharding; accumulators take their params' sharding.
+      ``model=``; both are updated in place) or a raw pytree. Every array is restored
+      with ``like``'s sharding; accumulators take their params' sharding.
     model: the NNX model of an ``fxaccum.Optimizer``.
-    tx: the optax chain of a raw pytree state.
     mesh: a concrete mesh to rebuild shardings that are on an abstract mesh (e.g. from
       ``nnx.eval_shape`` under ``jax.set_mesh``); default: the ``jax.set_mesh`` mesh.
 
@@ -191,7 +189,7 @@ def restore(manager: ocp.CheckpointManager, step: int | None, like: Any, *,
   if (manager.directory / str(step) / _META).exists():
     saved_meta = manager.restore(step, args=ocp.args.Composite(
         **{_META: ocp.args.JsonRestore()}))[_META]
-  view = _view(like, model, tx)
+  view = _view(like, model)
   meta = _describe(view)
   _check(saved_meta, meta, manager, view, step)
 

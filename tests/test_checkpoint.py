@@ -218,11 +218,11 @@ def test_in_step_state_round_trips_and_saves_are_async(tmp_path):
   updates, opt_state = tx.update(grads, opt_state, params)
   state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
   mgr = manager(tmp_path)
-  assert fxaccum.checkpoint.save(mgr, 7, state, tx=tx)  # returns while writing
+  assert fxaccum.checkpoint.save(mgr, 7, state)  # returns while writing
   mgr.wait_until_finished()  # Orbax is asynchronous: wait before reading or exiting
   assert mgr.latest_step() == 7
   like = {"params": make_params(), "opt_state": tx.init(make_params())}
-  restored = fxaccum.checkpoint.restore(mgr, None, like, tx=tx)
+  restored = fxaccum.checkpoint.restore(mgr, None, like)
   assert_trees_equal(restored, state)
   assert type(restored["opt_state"][0]) is type(opt_state[0])
 
