@@ -91,7 +91,7 @@ def _describe(view: _View) -> dict[str, Any]:
   if view.tx is not None and _accumulate_states(view.tree):
     opt_state = view.tree["opt_state"] if "opt_state" in view.tree else \
         view.tree["optimizer"]["opt_state"]
-    config = transform._probe(view.tx, opt_state, view.params, {})
+    config = transform.probe_config(view.tx, opt_state, view.params, {})
   for index, (path, state) in enumerate(_accumulate_states(view.tree)):
     every_k = None if config is None or callable(config.every_k) else config.every_k
     accumulators[path] = {

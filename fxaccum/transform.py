@@ -284,7 +284,7 @@ def gate(
     **extra_args: Any,
 ) -> tuple[Any, Any, jax.Array]:
   """:func:`apply_gradients` that also returns whether this call ended a window."""
-  config = _probe(tx, opt_state, params, extra_args)
+  config = probe_config(tx, opt_state, params, extra_args)
   state = find_state(opt_state)
   state = _add(config, state, grads, weight, params)
   boundary = state.micro_step >= config.window(state.optimizer_step)
@@ -325,7 +325,7 @@ def gate(
   return params, opt_state, boundary
 
 
-def _probe(tx, opt_state, params, extra_args) -> _Config:
+def probe_config(tx, opt_state, params, extra_args) -> _Config:
   """Finds the accumulate config by tracing ``tx.update`` abstractly in a gate session."""
   zeros = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
   with _gate_session() as found:  # arguments, not closures: they may be ShapeDtypeStructs
