@@ -10,8 +10,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# A subprocess script (it picks its own device count from argv), not a test module.
-collect_ignore = ["checkpoint_worker.py"]
+# Subprocess scripts (they pick their own device counts), not test modules.
+collect_ignore = ["checkpoint_worker.py", "multihost_worker.py"]
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,0 +1,127 @@
+"""The scenarios of tests/test_multihost.py, and one process of its 2-process runs.
+
+    python tests/multihost_worker.py SCENARIO PROCESS_ID PORT OUT_DIR
+
+Run as a script, each of the two processes owns 4 simulated CPU devices and
+``jax.distributed.initialize`` joins them into one 8-device runtime (gloo collectives on
+loopback), exactly as on a cluster of two hosts. Imported by the test, the same scenario
+functions run in the test process on its 8 local devices: the single-process reference.
+Every scenario returns ``{name: numpy array}``, gathered to every process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # before jax initializes its backend
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from helpers import make_data, make_params, put, weighted_loss  # noqa: E402
+from test_checkpoint import DATA, K, deferred_setup, micro_batch  # noqa: E402
+
+import fxaccum  # noqa: E402
+
+CALLS, SAVE_AT = 2 * K, K + K // 2  # two windows; the checkpoint falls mid-window
+LAYOUTS = {  # name: (mesh shape, axis names, param specs); the batch is sharded P("data")
+    "dp": ((8,), ("data",), {}),
+    "data_x_model": ((4, 2), ("data", "model"),
+                     {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}),
+}
+
+
+def gathered(prefix: str, tree) -> dict[str, np.ndarray]:
+  """Every leaf of ``tree`` as a host array on every process, keyed by ``prefix`` + path."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  values = multihost_utils.process_allgather([leaf for _, leaf in leaves], tiled=True)
+  return {prefix + jax.tree_util.keystr(path): np.asarray(value)
+          for (path, _), value in zip(leaves, values, strict=True)}
+
+
+def instep(out_dir: str) -> dict[str, np.ndarray]:
+  """In-step accumulation over 4 skewed micro-batches on a DP and a data x model mesh."""
+  del out_dir
+  results = {}
+  data, params = make_data(k=K), make_params()
+  for name, (shape, names, param_specs) in LAYOUTS.items():
+    mesh = jax.make_mesh(shape, names)
+    step = jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=K))
+    with jax.set_mesh(mesh):
+      args = put(params, mesh, param_specs), put(data, mesh, DATA)
+      results |= gathered(f"{name}/", step(*args))
+      report = fxaccum.diagnostics.report(step, *args)
+    for place in ("loop", "top"):  # gradient reductions over the data axis, by place
+      results[f"{name}/data_reductions_{place}"] = np.array(
+          len(report.reductions(place, axes="data")))
+  return results
+
+
+def _run_calls(state, train_step, mesh, calls: range):
+  for call in calls:  # one program at a time: see XLA:CPU's rendezvous note in docs
+    state = jax.block_until_ready(train_step(state, put(micro_batch(call), mesh, DATA)))
+  return state
+
+
+def _state_results(state) -> dict[str, np.ndarray]:
+  adam = state.opt_state[1][0]
+  return {**gathered("params", state.params), **gathered("mu", adam.mu),
+          **gathered("nu", adam.nu), "step": np.array(int(state.step))}
+
+
+def crossstep(out_dir: str) -> dict[str, np.ndarray]:
+  """Deferred-sync cross-step accumulation (``accumulate(K, data_axes="data")``), 2 windows."""
+  del out_dir
+  mesh = jax.make_mesh((8,), ("data",))
+  with jax.set_mesh(mesh):
+    state, train_step = deferred_setup(mesh)
+    return _state_results(_run_calls(state, train_step, mesh, range(CALLS)))
+
+
+def checkpoint_save(out_dir: str) -> dict[str, np.ndarray]:
+  """Runs to the middle of the second window and saves there with Orbax."""
+  mesh = jax.make_mesh((8,), ("data",))
+  with jax.set_mesh(mesh):
+    state, train_step = deferred_setup(mesh)
+    state = _run_calls(state, train_step, mesh, range(SAVE_AT))
+    manager = ocp.CheckpointManager(os.path.join(out_dir, "checkpoints"))
+    assert fxaccum.checkpoint.save(manager, SAVE_AT, state)
+    manager.wait_until_finished()
+    return {"micro_step": np.array(int(state.micro_step))}
+
+
+def checkpoint_resume(out_dir: str) -> dict[str, np.ndarray]:
+  """Restores the mid-window checkpoint and finishes the two windows."""
+  mesh = jax.make_mesh((8,), ("data",))
+  with jax.set_mesh(mesh):
+    like, train_step = deferred_setup(mesh)
+    manager = ocp.CheckpointManager(os.path.join(out_dir, "checkpoints"))
+    state = fxaccum.checkpoint.restore(manager, SAVE_AT, like)
+    return _state_results(_run_calls(state, train_step, mesh, range(SAVE_AT, CALLS)))
+
+
+SCENARIOS = {f.__name__: f for f in (instep, crossstep, checkpoint_save, checkpoint_resume)}
+
+
+def main(scenario: str, process_id: int, port: int, out_dir: str) -> None:
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                             process_id=process_id, initialization_timeout=60)
+  assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 8, 4)
+  results = SCENARIOS[scenario](out_dir)
+  if process_id == 0:
+    np.savez(os.path.join(out_dir, f"{scenario}.npz"), **results)
+  multihost_utils.sync_global_devices(f"{scenario} done")  # neither exits before the write
+  print(f"process {process_id}: {scenario} done", flush=True)
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
