@@ -2,15 +2,30 @@
 
 import re
 
+import pytest
 from helpers import run_script
 
 
-def test_train_lm_fast_path_proves_its_claims():
-  out = run_script("examples/train_lm.py", "--steps", "3")
-  error = float(re.search(r"gradient error vs large batch: (\S+)", out).group(1))
-  assert error < 1e-5, out
-  assert re.search(r"fxaccum\s+reductions in loop body: 0, reduced bytes per step: 1\.00x", out)
-  assert re.search(r"plain jit\+scan\s+reductions in loop body: [1-9]", out), out
+def proof_row(out: str, label: str) -> list[float]:
+  """The fxaccum, plain-scan and MultiSteps figures of one row of the proof table."""
+  line = next(line for line in out.splitlines() if line.strip().startswith(label))
+  return [float(x) for x in line[len(label) + 2:].split()]
+
+
+@pytest.mark.parametrize("mesh,k", [("8", 4), ("4x2", 8)])
+def test_train_lm_fast_path_proves_its_claims(tmp_path, mesh, k):
+  plot = tmp_path / "loss.png"
+  out = run_script("examples/train_lm.py", "--steps", "3", "--mesh", mesh,
+                   "--micro-batches", str(k), "--plot", str(plot))
+  fx, scan, multisteps = proof_row(out, "max rel. gradient error vs large batch")
+  assert fx < 1e-5 and scan < 1e-5, out
+  assert multisteps > 1e-2, out  # mean of micro-batch means: the negative control
+  fx, scan, multisteps = proof_row(out, "data-axis reductions per optimizer step")
+  assert (fx, scan) == (1, k) and multisteps >= k, out
+  assert proof_row(out, "reduced bytes per step / gradient bytes")[:2] == [1.0, k], out
+  temp = [float(m) for m in re.findall(r"k=\d+: ([\d.]+) MiB", out)]
+  assert len(temp) == 4 and temp[-1] < temp[0] / 4, out  # memory shrinks with k
+  assert plot.read_bytes().startswith(b"\x89PNG"), out
 
 
 def test_crossstep_example_steps_once_per_window():
