@@ -51,7 +51,23 @@ _STATE, _META, _PER_DEVICE = "state", "fxaccum", "fxaccum_per_device"
 
 
 class CheckpointMismatchError(ValueError):
-  """The checkpoint does not fit the state it is restored into (see the message)."""
+  """The checkpoint does not fit the state it is restored into (see the message).
+
+  Raised by :func:`restore` for a checkpoint without fxaccum metadata, another schema
+  version, another ``every_k`` or another tree; the message names what differs.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, fxaccum
+    >>> def make(k):
+    ...   tx = optax.chain(fxaccum.accumulate(k), optax.sgd(0.1))
+    ...   return fxaccum.TrainState.create(apply_fn=None, params=jnp.zeros(2), tx=tx)
+    >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
+    >>> _ = fxaccum.checkpoint.save(manager, 1, make(4))
+    >>> fxaccum.checkpoint.restore(manager, 1, make(8))
+    Traceback (most recent call last):
+      ...
+    fxaccum.checkpoint.CheckpointMismatchError: ... saved with accumulate(every_k=4) ...
+  """
 
 
 @dataclasses.dataclass
@@ -147,6 +163,18 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, *, model: Any = 
 
   Returns:
     Whether Orbax started a save (``manager.save``'s result).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, fxaccum
+    >>> tx = optax.chain(fxaccum.accumulate(2), optax.sgd(0.1))
+    >>> state = fxaccum.TrainState.create(apply_fn=None, params=jnp.zeros(2), tx=tx)
+    >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
+    >>> for call in range(3):   # numbered by call: mid-window checkpoints stay distinct
+    ...   state = state.apply_gradients(grads=jnp.ones(2))
+    ...   _ = fxaccum.checkpoint.save(manager, call + 1, state)
+    >>> manager.wait_until_finished()   # saves are asynchronous
+    >>> manager.all_steps()
+    [1, 2, 3]
   """
   view = _view(state, model)
   meta = _describe(view)
@@ -179,6 +207,17 @@ def restore(manager: ocp.CheckpointManager, step: int | None, like: Any, *,
   Raises:
     CheckpointMismatchError: no fxaccum metadata, another schema version, another
       ``every_k`` or another tree; the message names what differs.
+
+  Example:
+    >>> import tempfile, jax, jax.numpy as jnp, optax, orbax.checkpoint as ocp, fxaccum
+    >>> tx = optax.chain(fxaccum.accumulate(4), optax.adam(1e-3))
+    >>> make = lambda: fxaccum.TrainState.create(apply_fn=None, params=jnp.zeros(2), tx=tx)
+    >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
+    >>> _ = fxaccum.checkpoint.save(manager, 1, make().apply_gradients(grads=jnp.ones(2)))
+    >>> like = jax.eval_shape(make)   # shapes and shardings only: nothing is allocated
+    >>> restored = fxaccum.checkpoint.restore(manager, None, like)   # None: the latest step
+    >>> int(restored.micro_step), restored.opt_state[0].accumulator
+    (1, Array([1., 1.], dtype=float32))
   """
   manager.wait_until_finished()
   if step is None:

@@ -61,6 +61,13 @@ class Collective:
       loops around it (1 at top level; a conditional branch counts as if taken).
     axes: the mesh axes its device groups span, when a mesh was given and they match
       one; else None.
+
+  Example:
+    >>> from fxaccum.diagnostics import Collective
+    >>> c = Collective(kind="all-reduce", name="all-reduce.1", bytes=64, in_loop=True,
+    ...                in_conditional=False, executions=8, axes=("data",))
+    >>> c.place, c.bytes * c.executions
+    ('loop', 512)
   """
 
   kind: str
@@ -81,7 +88,15 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
-  """``compiled.memory_analysis()`` figures, in bytes per device."""
+  """``compiled.memory_analysis()`` figures, in bytes per device.
+
+  Example:
+    >>> from fxaccum.diagnostics import Memory
+    >>> m = Memory(temp_bytes=100, argument_bytes=40, output_bytes=40, alias_bytes=40,
+    ...            generated_code_bytes=0)
+    >>> m.peak_bytes   # 100 + 40 + 40 - 40: a donated argument aliases the output
+    140
+  """
 
   temp_bytes: int
   argument_bytes: int
@@ -97,7 +112,27 @@ class Memory:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-  """What a compiled program communicates and how much memory it needs."""
+  """What a compiled program communicates and how much memory it needs.
+
+  Built by :func:`report` or :func:`from_compiled`; filter its collectives with
+  :meth:`select`, :meth:`count`, :meth:`bytes_per_call` and :meth:`reductions`.
+
+  Example:
+    >>> from fxaccum.diagnostics import Collective, Report
+    >>> ar = Collective("all-reduce", "ar", 64, in_loop=True, in_conditional=False,
+    ...                 executions=8, axes=("data",))
+    >>> ag = Collective("all-gather", "ag", 32, in_loop=False, in_conditional=False,
+    ...                 executions=1, axes=("model",))
+    >>> rep = Report(collectives=(ar, ag), memory=None)
+    >>> rep.count(), rep.count(place="loop"), rep.reductions(axes="model")
+    (2, 1, [])
+    >>> rep.bytes_per_call("all-reduce")   # 64 bytes x 8 loop iterations
+    512
+    >>> print(rep.summary())
+    kind                place        axes                   bytes  runs
+    all-reduce          loop         data                      64     8
+    all-gather          top          model                     32     1
+  """
 
   collectives: tuple[Collective, ...]
   memory: Memory | None
@@ -163,6 +198,23 @@ def report(fn: Callable[..., Any], *args: Any, mesh: Any = None, **kwargs: Any) 
     mesh: the mesh, to name the axes of each collective; default: the ``jax.set_mesh``
       context mesh, else the mesh of the first argument with a ``NamedSharding``.
     **kwargs: example keyword arguments.
+
+  Returns:
+    A :class:`Report` of the compiled program.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, fxaccum
+    >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+    >>> n = jax.device_count()
+    >>> with jax.set_mesh(jax.make_mesh((n,), ("data",))):
+    ...   x = jax.device_put(jnp.ones((4 * n, 3)), jax.P("data"))
+    ...   rep = fxaccum.diagnostics.report(
+    ...       jax.jit(fxaccum.value_and_grad(loss, micro_batches=4)), jnp.ones(3), x)
+    >>> rep.reductions(place="loop")   # nothing is reduced inside the micro-batch loop
+    []
+    >>> grad_bytes, loss_and_weight_bytes = 3 * 4, 2 * 4   # reduced at most once per step
+    >>> rep.bytes_per_call(fxaccum.diagnostics.REDUCTIONS) <= grad_bytes + loss_and_weight_bytes
+    True
   """
   if not hasattr(fn, "lower"):
     fn = jax.jit(fn)
@@ -173,7 +225,19 @@ def report(fn: Callable[..., Any], *args: Any, mesh: Any = None, **kwargs: Any) 
 
 
 def from_compiled(compiled: Any, mesh: Any = None) -> Report:
-  """Builds a :class:`Report` from a ``jax.stages.Compiled``."""
+  """Builds a :class:`Report` from a ``jax.stages.Compiled``.
+
+  Args:
+    compiled: a compiled program, e.g. ``jax.jit(f).lower(*args).compile()``.
+    mesh: the mesh, to name the axes of each collective (optional).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, fxaccum
+    >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(8)).compile()
+    >>> rep = fxaccum.diagnostics.from_compiled(compiled)
+    >>> rep.collectives, rep.memory.output_bytes
+    ((), 32)
+  """
   memory = None
   analysis = compiled.memory_analysis()
   if analysis is not None:

@@ -96,6 +96,19 @@ class Unreduced:
       device (sharded over the data axes): that device's sum of ``d total / d params``
       over its micro-batches, not normalized.
     weight: float32 ``(devices,)``, each device's summed weight.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, fxaccum
+    >>> loss = lambda w, x: fxaccum.Weighted(jnp.sum(x * w), jnp.sum(x != 0))
+    >>> n = jax.device_count()
+    >>> with jax.set_mesh(jax.make_mesh((n,), ("data",))):
+    ...   x = jax.device_put(jnp.ones((2 * n, 1)), jax.P("data"))
+    ...   _, g = jax.jit(fxaccum.value_and_grad(loss, micro_batches=2, reduce=False))(
+    ...       jnp.ones(1), x)
+    >>> g.total.shape == (n, 1), g.total.sharding.spec[0]   # one partial sum per device
+    (True, 'data')
+    >>> int(g.weight.sum()) == 2 * n   # the devices' token counts add up to the batch's
+    True
   """
 
   total: Any

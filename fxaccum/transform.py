@@ -56,6 +56,16 @@ class AccumulateState(NamedTuple):
       device (sharded over those axes, so one gradient copy per device).
     weight: float32, the window's summed weight (per device with ``data_axes``).
     skipped: int32, calls dropped for non-finite gradients (``skip_nonfinite``), in total.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, fxaccum
+    >>> tx = optax.chain(fxaccum.accumulate(4), optax.sgd(0.1))
+    >>> params = {"w": jnp.zeros(2)}
+    >>> params, opt_state = fxaccum.apply_gradients(tx, {"w": jnp.ones(2)}, tx.init(params),
+    ...                                             params)
+    >>> acc = opt_state[0]   # the AccumulateState: the chain's first element's state
+    >>> int(acc.micro_step), int(acc.optimizer_step), acc.accumulator["w"], float(acc.weight)
+    (1, 0, Array([1., 1.], dtype=float32), 1.0)
   """
 
   micro_step: jax.Array
@@ -240,6 +250,19 @@ def is_boundary(opt_state: Any) -> jax.Array:
   Use it to log only real optimizer steps. Takes the optimizer state of a
   ``fxaccum.TrainState`` (``state.opt_state``), of a ``fxaccum.Optimizer``
   (``opt.opt_state``) or of the functional gate.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, fxaccum
+    >>> tx = optax.chain(fxaccum.accumulate(3), optax.sgd(0.1))
+    >>> params = jnp.zeros(2)
+    >>> opt_state = tx.init(params)
+    >>> for call in range(4):
+    ...   params, opt_state = fxaccum.apply_gradients(tx, jnp.ones(2), opt_state, params)
+    ...   print(call, bool(fxaccum.is_boundary(opt_state)))
+    0 False
+    1 False
+    2 True
+    3 False
   """
   state = find_state(opt_state)
   # [...] reads plain arrays and flax NNX Variables (an fxaccum.Optimizer's opt_state) alike.
@@ -269,6 +292,20 @@ def apply_gradients(
 
   Returns:
     ``(params, opt_state)``; the params change only on a window's last call.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, fxaccum
+    >>> tx = optax.chain(fxaccum.accumulate(2), optax.sgd(1.0))
+    >>> params = jnp.zeros(1)
+    >>> opt_state = tx.init(params)
+    >>> params, opt_state = fxaccum.apply_gradients(tx, jnp.array([1.0]), opt_state, params,
+    ...                                             weight=3)   # 3 tokens
+    >>> params   # mid-window: unchanged
+    Array([0.], dtype=float32)
+    >>> params, opt_state = fxaccum.apply_gradients(tx, jnp.array([5.0]), opt_state, params,
+    ...                                             weight=1)   # 1 token
+    >>> params   # one SGD step on the token mean (3 * 1 + 1 * 5) / 4 = 2
+    Array([-2.], dtype=float32)
   """
   params, opt_state, _ = gate(tx, grads, opt_state, params, weight=weight, **extra_args)
   return params, opt_state
