@@ -1,37 +1,90 @@
-"""What the benchmark scripts share: models, problems, timing, errors, metadata, markdown.
+"""What the benchmark scripts share: models, layouts, timing, errors, metadata, markdown.
 
-Imported as ``from common import ...`` by the scripts in this directory (run as
-``python benchmarks/<script>.py``, which puts this directory on ``sys.path``). Each script
-sets ``XLA_FLAGS`` (8 simulated host devices) *before* importing this module, since
-importing it imports JAX.
+Imported by the scripts in this directory (run as ``python benchmarks/<script>.py``, which
+puts this directory on ``sys.path``). Importing it first sets ``XLA_FLAGS`` for 8 simulated
+host devices (unless ``XLA_FLAGS`` already sets a count), which must happen before JAX
+starts: so the scripts ``import common`` ahead of ``import jax`` (isort keeps it there). The
+flag only affects the CPU platform: with an accelerator, ``jax.devices()`` are its devices.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import platform
-import statistics
-import time
-import traceback
-from collections.abc import Callable, Iterable
-from typing import Any
 
-import flax
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from jax.sharding import PartitionSpec as P
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  ).strip()
 
-import fxaccum
-from fxaccum import diagnostics
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Callable, Iterable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import flax  # noqa: E402
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import fxaccum  # noqa: E402
+from fxaccum import diagnostics  # noqa: E402
 
 DEVICES = 8  # the 1-D data-parallel mesh ("data",) every benchmark runs on
 LR = 1e-3  # optax.adam's learning rate in every benchmark
 
 # --------------------------------------------------------------------------- models
+
+
+DATA = "data"  # the data-parallel mesh axis (FSDP shards params over it too)
+MODEL = "model"  # the tensor-parallel mesh axis of the data x model layout
+
+
+def spec_of(x: Any) -> tuple[Any, ...]:
+  """``x``'s PartitionSpec entries, padded to its rank (the typed sharding: Explicit axes)."""
+  spec = tuple(jax.typeof(x).sharding.spec)
+  return spec + (None,) * (x.ndim - len(spec))
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry."""
+  return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def _gathered(x: Any, axis: str) -> Any:
+  """``x`` all-gathered over ``axis`` where its type says it is sharded over it."""
+  spec = spec_of(x)
+  if not any(axis in _axes(e) for e in spec):
+    return x
+  kept = [tuple(a for a in _axes(e) if a != axis) for e in spec]
+  return jax.sharding.reshard(x, P(*(a[0] if len(a) == 1 else a or None for a in kept)))
+
+
+class Dense(nn.Module):
+  """``nn.Dense`` (same params, same init) for kernels sharded on an Explicit mesh.
+
+  FSDP: a param sharded over ``DATA`` is all-gathered before use (``reshard``; its
+  transpose reduce-scatters the gradient). Tensor parallel: a kernel whose input dimension
+  is sharded (row-parallel) contracts over a sharded axis, so the output sharding is spelled
+  out and JAX inserts the model-axis all-reduce. Replicated params: plain ``x @ kernel``.
+  """
+
+  features: int
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
+    bias = self.param("bias", nn.initializers.zeros, (self.features,))
+    kernel, bias = _gathered(kernel, DATA), _gathered(bias, DATA)
+    if spec_of(kernel)[0] is not None:  # row-parallel
+      out_spec = P(*spec_of(x)[:-1], spec_of(kernel)[1])
+      return jnp.matmul(x, kernel, out_sharding=out_spec) + bias
+    return x @ kernel + bias
 
 
 class MLP(nn.Module):
@@ -43,10 +96,10 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    x = nn.gelu(nn.Dense(self.width)(x))
+    x = nn.gelu(Dense(self.width)(x))
     for _ in range(self.depth):
-      x = nn.gelu(nn.Dense(self.width)(x))
-    return nn.Dense(self.out)(x)
+      x = nn.gelu(Dense(self.width)(x))
+    return Dense(self.out)(x)
 
 
 class Block(nn.Module):
@@ -97,8 +150,9 @@ class LM(nn.Module):
 
 
 def mlp_setup(quick: bool) -> dict[str, Any]:
-  """The MLP regression problem: model, loss, params and the global batch (host arrays)."""
-  width, depth, dim, batch = (64, 2, 8, 64) if quick else (1024, 4, 32, 512)
+  """The MLP regression problem: model, loss, params and the global batch (host arrays).
+  Quick: one hidden layer (compiles fastest; still two layers for tensor parallelism)."""
+  width, depth, dim, batch = (64, 0, 8, 64) if quick else (1024, 4, 32, 512)
   model = MLP(width=width, depth=depth, out=dim)
   rng = np.random.default_rng(0)
   data = {"x": rng.normal(size=(batch, dim)).astype(np.float32),
@@ -134,6 +188,52 @@ def lm_setup(quick: bool) -> dict[str, Any]:
 def n_params(params: Any) -> int:
   """Number of scalars in a params tree."""
   return int(sum(np.size(p) for p in jax.tree.leaves(params)))
+
+
+# ------------------------------------------------------------------------- layouts
+
+LAYOUTS = {
+    "replicated": "data parallel: mesh ('data',) over all devices, params replicated",
+    "fsdp": "FSDP: mesh ('data',) over all devices, each param's largest dimension that "
+            "divides evenly sharded over 'data' (gathered in the model, see Dense)",
+    "data_x_model": "data x model: mesh ('data', 'model') = (devices / 2, 2), Dense kernels "
+                    "alternately column- (P(None, 'model')) and row-parallel "
+                    "(P('model', None)), Megatron style",
+}
+
+
+def layout_mesh(name: str) -> Any:
+  """The mesh of layout ``name`` on all devices (Explicit axes, ``jax.make_mesh``'s
+  default); raises ValueError when the devices cannot hold it."""
+  n = jax.device_count()
+  if name in ("fsdp", "data_x_model") and n < 2:
+    raise ValueError(f"the {name} layout needs at least 2 devices, found {n}")
+  if name == "data_x_model":
+    if n % 2:
+      raise ValueError(f"the data_x_model layout needs an even device count, found {n}")
+    return jax.make_mesh((n // 2, 2), (DATA, MODEL))
+  return jax.make_mesh((n,), (DATA,))
+
+
+def layout_specs(name: str, params: Any, mesh: Any) -> Any:
+  """The PartitionSpec of every param under layout ``name`` (see ``LAYOUTS``)."""
+  if name == "replicated":
+    return jax.tree.map(lambda _: P(), params)
+  if name == "data_x_model":
+    layers = sorted(params["params"], key=lambda m: int(m.rsplit("_", 1)[1]))
+    return {"params": {m: {"kernel": P(None, MODEL), "bias": P(MODEL)} if i % 2 == 0 else
+                       {"kernel": P(MODEL, None), "bias": P()}
+                       for i, m in enumerate(layers)}}
+  n = mesh.shape[DATA]
+
+  def fsdp(leaf):
+    dims = [d for d in range(leaf.ndim) if leaf.shape[d] % n == 0]
+    if not dims:
+      return P()
+    dim = max(dims, key=lambda d: leaf.shape[d])
+    return P(*(DATA if d == dim else None for d in range(dim + 1)))
+
+  return jax.tree.map(fsdp, params)
 
 
 def data_mesh() -> Any:
@@ -172,11 +272,14 @@ def rel_err(actual: Any, expected: Any, floor: float = REL_FLOOR) -> tuple[float
 
 
 def errors(prefix: str, actual: Any, expected: Any) -> dict[str, Any]:
-  """``{prefix}_rel_err`` (floored), ``..._raw`` (unfloored) and ``..._worst_leaf``."""
+  """``{prefix}_rel_err`` (floored), ``..._raw`` (unfloored), ``..._worst_leaf`` and
+  ``..._global`` (max|a - b| over the whole tree / its max|b|: a leaf's floor of 1)."""
   err, leaf = rel_err(actual, expected)
   raw, raw_leaf = rel_err(actual, expected, floor=0.0)
+  whole, _ = rel_err(actual, expected, floor=1.0)
   return {f"{prefix}_rel_err": err, f"{prefix}_rel_err_worst_leaf": leaf,
-          f"{prefix}_rel_err_raw": raw, f"{prefix}_rel_err_raw_worst_leaf": raw_leaf}
+          f"{prefix}_rel_err_raw": raw, f"{prefix}_rel_err_raw_worst_leaf": raw_leaf,
+          f"{prefix}_rel_err_global": whole}
 
 
 def delta(new: Any, old: Any) -> Any:
@@ -191,15 +294,28 @@ def compile_and_report(fn: Callable, mesh: Any, *args: Any) -> tuple[Any, diagno
   return compiled, diagnostics.from_compiled(compiled, mesh=mesh)
 
 
+def interleaved(runs: dict[str, Callable[[], Any]], repeats: int,
+                warmups: int = 1) -> dict[str, tuple[float, list[float], Any]]:
+  """Per run: median wall time in ms over ``repeats`` runs, the times, and the output of
+  its first (untimed) warm-up run. The runs take turns, so that load from other processes
+  on a shared machine hits all of them alike; each is waited for before the next starts."""
+  outs = {name: jax.block_until_ready(run()) for name, run in runs.items()}
+  for _ in range(warmups - 1):  # e.g. the allocator settling on large fresh buffers
+    for run in runs.values():
+      jax.block_until_ready(run())
+  times: dict[str, list[float]] = {name: [] for name in runs}
+  for _ in range(repeats):
+    for name, run in runs.items():
+      start = time.perf_counter()
+      jax.block_until_ready(run())
+      times[name].append((time.perf_counter() - start) * 1e3)
+  return {name: (statistics.median(times[name]), times[name], outs[name]) for name in runs}
+
+
 def time_ms(run: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
   """Median wall time of ``run()`` in ms over ``repeats`` runs, after one warm-up."""
-  jax.block_until_ready(run())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(run())
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times), times
+  ms, times, _ = interleaved({"run": run}, repeats)["run"]
+  return ms, times
 
 
 def measure(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:

@@ -37,25 +37,16 @@ stdout and to a JSON file (``--out``).
 
 from __future__ import annotations
 
-import os
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from common import (  # noqa: E402
+import common  # noqa: F401 - first: sets XLA_FLAGS before JAX starts
+import jax
+from common import (
     DEVICES,
     LR,
     REL_FLOOR,
@@ -77,15 +68,21 @@ from common import (  # noqa: E402
     time_ms,
     write_json,
 )
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from methods import (
+    Method,
+    adam_gradient,
+    adam_state,
+    fxaccum_cross,
+    large_batch,
+    multisteps,
+)
 
-import fxaccum  # noqa: E402
-from fxaccum import diagnostics  # noqa: E402
+from fxaccum import diagnostics
 
 BIG = 64  # bytes: a reduction larger than this is a gradient, not a loss/weight scalar
 TIME_TARGET = 0.5  # fxaccum_deferred's time per optimizer step over multisteps', at most
-B1 = 0.9  # optax.adam's default b1
 
 # How often the inner optimizer (Adam) runs per window of k calls: by construction, not
 # measured. MultiSteps runs ``inner.update`` on every call and keeps its result only on
@@ -94,89 +91,13 @@ INNER_UPDATES = {"large_batch": "1", "multisteps": "k", "fxaccum_reduced": "1",
                  "fxaccum_deferred": "1"}
 
 
-@dataclasses.dataclass(frozen=True)
-class Method:
-  """One way to take an optimizer step.
-
-  Attributes:
-    state: the initial state (params + optimizer state) passed to ``call``.
-    call: ``(state, batch) -> (state, loss)``, unjitted; one jitted call per batch.
-    params: ``state -> params``.
-    steps: ``state -> optimizer steps taken``.
-    cond_runs: how often one window runs the program's conditional branches (fxaccum:
-      the boundary branch, once; MultiSteps: its skip-update ``lax.cond``, every call).
-    note: a line for the notes.
-  """
-
-  state: Any
-  call: Callable[[Any, Any], tuple[Any, Any]]
-  params: Callable[[Any], Any]
-  steps: Callable[[Any], Any]
-  cond_runs: int
-  note: str
-
-
 def methods(loss_fn: Callable, params: Any, k: int) -> dict[str, Callable[[], Method]]:
   """The four methods for ``loss_fn`` (a mean over its batch's examples), each built (its
   initial state computed) when its factory is called."""
-
-  def optax_call(tx: optax.GradientTransformation) -> Callable:
-    def call(state, batch):
-      params, opt_state = state
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return (optax.apply_updates(params, updates), opt_state), loss
-
-    return call
-
-  def large_batch() -> Method:
-    tx = optax.adam(LR)
-    return Method((params, jax.jit(tx.init)(params)), optax_call(tx), lambda s: s[0],
-                  lambda s: s[1][0].count, cond_runs=1,
-                  note="1 call per optimizer step on the whole batch (the reference)")
-
-  def multisteps() -> Method:
-    tx = optax.MultiSteps(optax.adam(LR), every_k_schedule=k)
-    return Method((params, jax.jit(tx.init)(params)), optax_call(tx), lambda s: s[0],
-                  lambda s: s[1].gradient_step, cond_runs=k,
-                  note=f"{k} calls per optimizer step; inner Adam runs (masked) on every "
-                       "call; bytes = k x all (its skip-update cond runs every call)")
-
-  def fxaccum_method(deferred: bool) -> Method:
-    value_and_grad = (fxaccum.value_and_grad(loss_fn, micro_batches=1, reduce=False)
-                      if deferred else jax.value_and_grad(loss_fn))
-
-    def call(state, batch):
-      loss, grads = value_and_grad(state.params, batch)
-      return state.apply_gradients(grads=grads), loss
-
-    tx = optax.chain(fxaccum.accumulate(k, data_axes="data" if deferred else None),
-                     optax.adam(LR))
-    state = fxaccum.TrainState.create(apply_fn=None, params=params, tx=tx)
-    # A typed step counter, so that the compiled call's output types equal its inputs'.
-    state = state.replace(step=jnp.zeros((), jnp.int32))
-    note = (f"{k} calls per optimizer step; per-device partial sums, one gradient "
-            "all-reduce inside the boundary branch" if deferred else
-            f"{k} calls per optimizer step; gradients all-reduced by XLA on every call")
-    return Method(state, call, lambda s: s.params, lambda s: s.step, cond_runs=1, note=note)
-
-  return {"large_batch": large_batch, "multisteps": multisteps,
-          "fxaccum_reduced": lambda: fxaccum_method(deferred=False),
-          "fxaccum_deferred": lambda: fxaccum_method(deferred=True)}
-
-
-def adam_state(state: Any) -> optax.ScaleByAdamState:
-  """The one ``ScaleByAdamState`` inside a method's state."""
-  found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
-      x, optax.ScaleByAdamState)) if isinstance(x, optax.ScaleByAdamState)]
-  assert len(found) == 1, f"expected one ScaleByAdamState, found {len(found)}"
-  return found[0]
-
-
-def adam_gradient(state: Any) -> Any:
-  """The gradient Adam was handed on its first step: its first moment is then exactly
-  ``mu = (1 - b1) g`` (``mu`` starts at 0), so ``g = mu / (1 - b1)`` (in float64)."""
-  return jax.tree.map(lambda m: np.asarray(m, np.float64) / (1 - B1), adam_state(state).mu)
+  return {"large_batch": lambda: large_batch(loss_fn, params),
+          "multisteps": lambda: multisteps(loss_fn, params, k),
+          "fxaccum_reduced": lambda: fxaccum_cross(loss_fn, params, k, deferred=False),
+          "fxaccum_deferred": lambda: fxaccum_cross(loss_fn, params, k, deferred=True)}
 
 
 # ------------------------------------------------------------------------ measuring

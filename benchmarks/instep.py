@@ -31,23 +31,15 @@ markdown table on stdout and to a JSON file (``--out``).
 
 from __future__ import annotations
 
-import os
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-
-import argparse  # noqa: E402
-import inspect  # noqa: E402
-import time  # noqa: E402
-import types  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from common import (  # noqa: E402
+import common  # noqa: F401 - first: sets XLA_FLAGS before JAX starts
+import jax
+import optax
+from common import (
     DEVICES,
     LR,
     REL_FLOOR,
@@ -70,112 +62,22 @@ from common import (  # noqa: E402
     time_ms,
     write_json,
 )
-from jax import lax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from optax.microbatching import _microbatching  # noqa: E402
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from methods import (
+    micro_grad_value_and_grad,
+    optax_microbatch_value_and_grad,
+    optax_version_bug,
+    plain_scan_value_and_grad,
+    trace_error,
+    train_step,
+    with_version_shim,
+)
 
-import fxaccum  # noqa: E402
-from fxaccum import diagnostics  # noqa: E402
+import fxaccum
+from fxaccum import diagnostics
 
 K_REF = 8  # micro-batches of the baselines (plain scan, MultiSteps, optax.microbatching)
-
-
-# ------------------------------------------------------------------ gradient methods
-
-
-def plain_scan_value_and_grad(loss_fn: Callable, k: int) -> Callable:
-  """What users write today: strided split, ``lax.scan`` of ``jax.value_and_grad``, mean."""
-
-  def split(x):
-    spec = jax.typeof(x).sharding.spec
-    rest = (None,) * (x.ndim - 1)
-    x = jnp.reshape(x, (x.shape[0] // k, k, *x.shape[1:]),
-                    out_sharding=P(spec[0] if spec else None, None, *rest))
-    return jnp.swapaxes(x, 0, 1)  # micro-batch i = rows i::k
-
-  def value_and_grad(params, batch):
-    def body(carry, micro):
-      loss, grads = jax.value_and_grad(loss_fn)(params, micro)
-      total, acc = carry
-      return (total + loss, jax.tree.map(jnp.add, acc, grads)), None
-
-    init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (total, acc), _ = lax.scan(body, init, jax.tree.map(split, batch))
-    return total / k, jax.tree.map(lambda g: g / k, acc)
-
-  return value_and_grad
-
-
-class _JaxShim(types.ModuleType):
-  """``jax`` as optax.microbatching sees it, with a version string that compares right."""
-
-  def __getattr__(self, name):
-    return getattr(jax, name)
-
-
-def optax_version_bug() -> str | None:
-  """Why optax.microbatching fails on an Explicit mesh with this jax, or None.
-
-  optax 0.2.8 compares ``jax.__version__ < '0.7.0'`` as strings; ``'0.10.2' < '0.7.0'`` is
-  True, so it reshapes the batch without ``out_sharding``, which an Explicit mesh rejects.
-  """
-  source = inspect.getsource(_microbatching)
-  numeric = tuple(int(p) for p in jax.__version__.split(".")[:2])
-  if "jax.__version__ < '0.7.0'" in source and jax.__version__ < "0.7.0" and numeric >= (0, 7):
-    return (f"optax {optax.__version__} compares jax.__version__ as strings "
-            f"('{jax.__version__}' < '0.7.0' is True), so reshape_batch_axis takes the pre-0.7 "
-            "path without out_sharding and raises ShardingTypeError on an Explicit mesh")
-  return None
-
-
-def with_version_shim(fn: Callable) -> Callable:
-  """``fn`` tracing optax.microbatching with a jax version string of 0.9.99 (see above)."""
-  if optax_version_bug() is None:
-    return fn
-  shim = _JaxShim("jax")
-  shim.__version__ = "0.9.99"
-
-  def wrapped(*args, **kwargs):
-    saved, _microbatching.jax = _microbatching.jax, shim
-    try:
-      return fn(*args, **kwargs)
-    finally:
-      _microbatching.jax = saved
-
-  return wrapped
-
-
-def optax_microbatch_value_and_grad(loss_fn: Callable, k: int, batch_size: int) -> Callable:
-  """``optax.microbatching.microbatch`` over ``jax.value_and_grad`` (mean of k means)."""
-  mean = optax.microbatching.AccumulationType.MEAN
-  return optax.microbatching.microbatch(
-      jax.value_and_grad(loss_fn), argnums=1, microbatch_size=batch_size // k,
-      accumulator=mean)
-
-
-def micro_grad_value_and_grad(loss_fn: Callable, k: int, batch_size: int) -> Callable:
-  """``optax.microbatching.micro_grad``: per-example grads, averaged, k micro-batches."""
-  fn = optax.microbatching.micro_grad(
-      loss_fn, argnums=0, batch_argnums=1, microbatch_size=batch_size // k,
-      accumulator=optax.microbatching.AccumulationType.MEAN)
-
-  def value_and_grad(params, batch):
-    grads, aux = fn(params, batch)
-    return jnp.mean(aux.values), grads
-
-  return value_and_grad
-
-
-def train_step(value_and_grad: Callable, tx: optax.GradientTransformation) -> Callable:
-  """(params, opt_state, batch) -> (params, opt_state, loss), unjitted."""
-
-  def step(params, opt_state, batch):
-    loss, grads = value_and_grad(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  return step
 
 
 # ------------------------------------------------------------------------ measuring
@@ -305,22 +207,13 @@ def run_model(name: str, setup: dict[str, Any], mesh: Any, ks: list[int], repeat
     record(method, grad_method(with_version_shim(fn), note))
     if bug:
       results[method]["optax_bug"] = bug
-      results[method]["unpatched_error"] = _trace_error(fn, params, batch)
+      results[method]["unpatched_error"] = trace_error(fn, params, batch)
   record("grad_only_large", grad_only("large_batch"))
   if f"fxaccum_k{K_REF}" in grad_programs:
     record(f"grad_only_fxaccum_k{K_REF}", grad_only(f"fxaccum_k{K_REF}"))
   else:
     results[f"grad_only_fxaccum_k{K_REF}"] = {"skipped": f"{K_REF} not in --ks or it failed"}
   return results
-
-
-def _trace_error(fn: Callable, *args: Any) -> str | None:
-  """The error tracing ``fn`` raises (first line), or None."""
-  try:
-    jax.eval_shape(fn, *args)
-  except Exception as e:  # noqa: BLE001
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-  return None
 
 
 def _brief(r: dict[str, Any]) -> str:

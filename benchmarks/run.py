@@ -1,0 +1,502 @@
+"""The benchmark suite: fxaccum vs. the alternatives, for k in {1, 2, 4, 8}, per layout.
+
+Run from the repository root::
+
+  python benchmarks/run.py            # full run: JSON, tables, PNG plots (~8 min on 2 cores)
+  python benchmarks/run.py --quick    # tiny sizes, 1 repeat, outputs in a temp folder
+
+One Adam optimizer step on the same model and global batch, for every (layout, model) setup,
+method and number ``k`` of micro-batches per optimizer step. Layouts (``common.LAYOUTS``):
+replicated data parallel, FSDP and data x model (tensor parallel), on ``jax.devices()``
+(8 simulated CPU devices when no accelerator is present; the JSON and every plot name
+the device). Methods:
+
+* ``large_batch``: ``jax.value_and_grad`` on the whole batch (the reference; no ``k``);
+* in-step, one jitted call per optimizer step: ``fxaccum`` (``fxaccum.value_and_grad(loss,
+  micro_batches=k)``), ``fxaccum_per_step`` (FSDP only, ``fsdp_reduce="per_step"``),
+  ``plain_scan`` (``jit`` + ``lax.scan`` of ``jax.value_and_grad``) and ``micro_grad``
+  (``optax.microbatching.micro_grad``, per-example gradients, MEAN);
+* cross-step, ``k`` jitted calls of one micro-batch each: ``fxaccum_cross`` (deferred sync:
+  ``accumulate(k, data_axes="data")`` fed ``value_and_grad(..., reduce=False)``),
+  ``fxaccum_cross_reduced`` (FSDP only: ``accumulate(k)`` fed ``jax.value_and_grad``) and
+  ``multisteps`` (``optax.MultiSteps(adam, k)``).
+
+Per (setup, k), all methods are compiled first, then timed in turns (2 untimed warm-ups, then
+5 rounds; the LM 3), so that load from other processes hits them alike.
+Figures per (setup, method, k): median ms per optimizer step and its ratio to the large
+batch and to fxaccum of the same mode; gradient-reduction bytes per optimizer step (data-axis
+all-reduce / reduce-scatter, from ``fxaccum.diagnostics``) and the data-axis reductions
+inside loops; compiled temp memory; the max relative error of the gradient Adam received
+against the large batch's (flagged, not asserted, when >= 1e-5). A method that cannot run
+on a layout is recorded as skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import common  # noqa: F401 - first: sets XLA_FLAGS before JAX starts
+import jax
+import numpy as np
+from common import (
+  DATA,
+  LAYOUTS,
+  LR,
+  REL_FLOOR,
+  compile_and_report,
+  environment,
+  errors,
+  interleaved,
+  layout_mesh,
+  layout_specs,
+  lm_setup,
+  logger,
+  md_header,
+  md_row,
+  measure,
+  mlp_setup,
+  n_params,
+  ratio,
+  write_json,
+)
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from methods import (
+  Method,
+  adam_gradient,
+  adam_step,
+  fxaccum_cross,
+  large_batch,
+  micro_grad_value_and_grad,
+  multisteps,
+  optax_version_bug,
+  plain_scan_value_and_grad,
+  with_version_shim,
+)
+
+import fxaccum
+from fxaccum import diagnostics
+
+SETUPS = ("replicated/mlp", "replicated/lm", "fsdp/mlp", "data_x_model/mlp")
+QUICK_SETUPS = ("replicated/mlp", "fsdp/mlp", "data_x_model/mlp")  # the lm compiles slowly
+WARMUPS = 2  # untimed windows per method: cross-step windows settle on the 2nd
+ERR_LIMIT = 1e-5  # fxaccum's gradient must match the large batch's to this (flagged)
+BIG = 64  # bytes: a reduction larger than this is a gradient, not a loss/weight scalar
+IN_STEP = "in-step"
+CROSS_STEP = "cross-step"
+# method -> (mode, the fxaccum method its time is compared with, layouts it runs on or None)
+METHODS = {
+    "fxaccum": (IN_STEP, "fxaccum", None),
+    "fxaccum_per_step": (IN_STEP, "fxaccum", ("fsdp",)),
+    "plain_scan": (IN_STEP, "fxaccum", None),
+    "micro_grad": (IN_STEP, "fxaccum", None),
+    "fxaccum_cross": (CROSS_STEP, "fxaccum_cross", None),
+    "fxaccum_cross_reduced": (CROSS_STEP, "fxaccum_cross_reduced", ("fsdp",)),
+    "multisteps": (CROSS_STEP, "fxaccum_cross", None),
+}
+
+
+def builders(loss_fn: Callable, params: Any, batch_size: int,
+             k: int) -> dict[str, Callable[[], Method]]:
+  """Each method's factory for ``k`` micro-batches (built when called)."""
+  micro_grad = with_version_shim(micro_grad_value_and_grad(loss_fn, k, batch_size))
+  return {
+      "fxaccum": lambda: adam_step(fxaccum.value_and_grad(loss_fn, micro_batches=k), params,
+                                   "fxaccum.value_and_grad(loss, micro_batches=k)"),
+      "fxaccum_per_step": lambda: adam_step(
+          fxaccum.value_and_grad(loss_fn, micro_batches=k, fsdp_reduce="per_step"), params,
+          "fsdp_reduce='per_step': params gathered once, one reduce-scatter per step"),
+      "plain_scan": lambda: adam_step(plain_scan_value_and_grad(loss_fn, k), params,
+                                      "jit + lax.scan over k strided micro-batches"),
+      "micro_grad": lambda: adam_step(micro_grad, params,
+                                      "optax.microbatching.micro_grad (per-example grads, "
+                                      "MEAN), run with a jax-version shim (docs)"),
+      "fxaccum_cross": lambda: fxaccum_cross(loss_fn, params, k, deferred=True),
+      "fxaccum_cross_reduced": lambda: fxaccum_cross(loss_fn, params, k, deferred=False),
+      "multisteps": lambda: multisteps(loss_fn, params, k),
+  }
+
+
+# ------------------------------------------------------------------------ measuring
+
+
+def reduction_figures(rep: diagnostics.Report, calls: int, cond_runs: int) -> dict[str, Any]:
+  """Per optimizer step of ``calls`` calls, from one call's diagnostics: reduction bytes over
+  the data axis (gradients) and over other axes (tensor-parallel activations), loop
+  reductions, big data-axis reductions outside conditionals, temp memory."""
+
+  def per_step(axes):
+    outside = sum(rep.bytes_per_call(diagnostics.REDUCTIONS, place=p, axes=axes)
+                  for p in ("top", "loop"))
+    inside = rep.bytes_per_call(diagnostics.REDUCTIONS, place="conditional", axes=axes)
+    return calls * outside + cond_runs * inside
+
+  data = rep.reductions(axes=DATA)
+  grad_bytes = per_step(DATA)
+  return {
+      "grad_reduction_bytes_per_step": grad_bytes,
+      "other_reduction_bytes_per_step": per_step(None) - grad_bytes,
+      "reductions_per_call": len(rep.reductions()),
+      "data_reductions_in_loops": len(rep.reductions(place="loop", axes=DATA)),
+      "big_data_reductions_outside_cond": sum(
+          1 for c in data if c.place != "conditional" and c.bytes > BIG),
+      "unattributed_reductions": sum(1 for c in rep.reductions() if c.axes is None),
+      "temp_bytes": rep.memory.temp_bytes if rep.memory else None,
+      "peak_bytes": rep.memory.peak_bytes if rep.memory else None,
+  }
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """A method compiled and ready to time: ``window()`` takes one optimizer step from the
+  initial state; ``figures`` are those read from the compiled program."""
+
+  window: Callable[[], Any]
+  figures: dict[str, Any]
+  steps: Callable[[Any], Any]
+
+
+def prepare(m: Method, batches: list[Any], mesh: Any, donated: bool = False) -> Prepared:
+  """Compiles ``m.call`` for ``len(batches)`` calls per optimizer step; ``donated`` adds the
+  memory of the call compiled with its state donated (as a training loop would)."""
+  state, note = m.state, m.note
+  jax.block_until_ready(state)
+  call, rep = compile_and_report(m.call, mesh, state, batches[0])
+  if len(batches) > 1 and (moved := settled(call, state)) is not state:
+    state, note = moved, f"{note}; {SETTLED_NOTE}"
+    call, rep = compile_and_report(m.call, mesh, state, batches[0])
+
+  def window():
+    out, loss = state, None
+    for b in batches:  # each call depends on the last: no independent dispatches in flight
+      out, loss = call(out, b)
+    return out, loss
+
+  figures = {"calls_per_step": len(batches), **reduction_figures(rep, len(batches),
+                                                                 m.cond_runs), "note": note}
+  if donated:
+    memory = jax.jit(m.call, donate_argnums=0).lower(state, batches[0]).compile()
+    memory = diagnostics.from_compiled(memory).memory
+    figures.update(donated_temp_bytes=memory.temp_bytes, donated_peak_bytes=memory.peak_bytes,
+                   state_bytes=sum(math.prod(x.sharding.shard_shape(x.shape)) * x.itemsize
+                                   for x in jax.tree.leaves(state)))
+  return Prepared(window, figures, m.steps)
+
+
+SETTLED_NOTE = ("initial state resharded like the call's output (accumulate(data_axes=...) "
+                "lays its accumulator out over the data axes only, the call returns it "
+                "model-sharded like the gradient, and the next call would reject it)")
+
+
+def settled(call: Any, state: Any) -> Any:
+  """``state`` placed like the compiled ``call``'s output state (the same object when it
+  already is), so that the call accepts its own output on the next call."""
+  wanted = jax.tree.leaves(call.output_shardings[0])
+  leaves = jax.tree.leaves(state)
+  if all(x.sharding.is_equivalent_to(w, x.ndim) for x, w in zip(leaves, wanted, strict=True)):
+    return state
+  moved = jax.block_until_ready([jax.device_put(x, w) for x, w in zip(leaves, wanted,
+                                                                        strict=True)])
+  return jax.tree.unflatten(jax.tree.structure(state), moved)
+
+
+def grad_only(fn: Callable, params: Any, batch: Any, mesh: Any) -> Prepared:
+  """The gradient computation alone (no optimizer): the compute floor of a method."""
+  compiled, rep = compile_and_report(fn, mesh, params, batch)
+  return Prepared(lambda: compiled(params, batch),
+                  {"temp_bytes": rep.memory.temp_bytes if rep.memory else None}, lambda _: 0)
+
+
+def run_setup(name: str, quick: bool, ks: list[int], repeats: int,
+              log: Callable[[str], None]) -> dict[str, Any]:
+  """Every method and k on one (layout, model) setup. Per k, the methods (and the large
+  batch, again) are compiled first and then timed in turns."""
+  layout_name, model = name.split("/")
+  try:
+    mesh = layout_mesh(layout_name)
+  except ValueError as e:
+    return {"skipped": str(e)}
+  with jax.set_mesh(mesh):  # the LM's embedding lookup names its output sharding
+    setup = (mlp_setup(quick) if model == "mlp" else lm_setup(quick))
+  specs = layout_specs(layout_name, setup["params"], mesh)
+  batch_size = setup["config"]["global_batch"]
+  device = describe_device()
+  out: dict[str, Any] = {
+      "layout": layout_name, "model": model, "layout_description": LAYOUTS[layout_name],
+      "device": device,
+      "mesh": {"shape": list(mesh.shape.values()), "axes": list(mesh.axis_names),
+               "axis_types": [str(t) for t in mesh.axis_types]},
+      "param_specs": jax.tree.map(str, specs),
+      "config": {**setup["config"], "params": n_params(setup["params"]), "repeats": repeats},
+      "gradient_bytes": int(sum(np.asarray(p).nbytes for p in jax.tree.leaves(setup["params"]))),
+  }
+  log(f"{name}: mesh {out['mesh']['shape']} {out['mesh']['axes']}, {out['config']}")
+  with jax.set_mesh(mesh):
+    params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+                          setup["params"], specs)
+    batch = jax.device_put(setup["batch"], NamedSharding(mesh, P(DATA)))
+    jax.block_until_ready((params, batch))
+    loss_fn = setup["loss"]
+    ref = prepare(large_batch(loss_fn, params), [batch], mesh, donated=not quick)
+    ref_times: list[float] = []
+    ref_grads = None
+    results: dict[str, dict[str, Any]] = {m: {} for m, (_, _, where) in METHODS.items()
+                                           if where is None or layout_name in where}
+    for k in ks:
+      micro = [jax.device_put(jax.tree.map(lambda a, i=i, k=k: a[i::k], setup["batch"]),
+                              NamedSharding(mesh, P(DATA))) for i in range(k)]
+      jax.block_until_ready(micro)
+      factories = builders(loss_fn, params, batch_size, k)
+      prepared: dict[str, Prepared] = {"large_batch": ref}
+      for method in results:
+        batches = [batch] if METHODS[method][0] == IN_STEP else micro
+        donated = k == ks[-1] and not quick
+        r = measure(lambda f=factories[method], b=batches, d=donated: {
+            "result": prepare(f(), b, mesh, donated=d)})
+        if "skipped" in r:
+          results[method][str(k)] = {**r, "method": method, "k": k, "device": device}
+        else:
+          prepared[method] = r.pop("result")
+      if k == ks[-1] and not quick:  # the compute floor: gradients alone
+        prepared["grad_only_large_batch"] = grad_only(jax.value_and_grad(loss_fn), params,
+                                                      batch, mesh)
+        prepared[f"grad_only_fxaccum_k{k}"] = grad_only(
+            fxaccum.value_and_grad(loss_fn, micro_batches=k), params, batch, mesh)
+      timings = interleaved({m: p.window for m, p in prepared.items()}, repeats,
+                            warmups=1 if quick else WARMUPS)
+      ms_ref, times, (state, _) = timings.pop("large_batch")
+      ref_times += times
+      if ref_grads is None:
+        ref_grads = adam_gradient(state)
+        out["large_batch"] = {**ref.figures, "mode": "reference",
+                              "optimizer_steps_after_window": int(ref.steps(state)),
+                              **errors("grad", ref_grads, ref_grads)}
+      for method, (ms, times, outputs) in timings.items():
+        r = {"method": method, "k": k, "device": device, "ms_per_step": ms, "times_ms": times,
+             "large_batch_ms_same_rounds": ms_ref, **prepared[method].figures}
+        if method.startswith("grad_only"):
+          out.setdefault("grad_only", {})[method.removeprefix("grad_only_")] = r
+          continue
+        state, loss = outputs
+        r.update(mode=METHODS[method][0], loss=float(loss),
+                 optimizer_steps_after_window=int(prepared[method].steps(state)),
+                 **errors("grad", adam_gradient(state), ref_grads))
+        r["err_ok"] = r["grad_rel_err"] < ERR_LIMIT
+        results[method][str(k)] = r
+      for method in results:
+        log(f"  {method} k={k}: {brief(results[method][str(k)])}")
+    out["large_batch"].update(ms_per_step=statistics.median(ref_times), times_ms=ref_times,
+                              device=device)
+    log(f"  large_batch: {brief(out['large_batch'])}")
+    for method, r in out.get("grad_only", {}).items():
+      log(f"  gradients alone, {method}: {r['ms_per_step']:.1f} ms")
+    add_ratios(results, out["large_batch"])
+    out["results"] = results
+  return out
+
+
+def add_ratios(results: dict[str, dict[str, Any]], ref: dict[str, Any]) -> None:
+  """Time over the large batch's and over the same-mode fxaccum method's (same k), and
+  gradient-reduction bytes over the large batch's."""
+  for method, by_k in results.items():
+    versus = METHODS[method][1]
+    if versus not in results or all("skipped" in r for r in results[versus].values()):
+      versus = "fxaccum_cross_reduced" if "fxaccum_cross_reduced" in results else versus
+    for k, r in by_k.items():
+      if "skipped" in r:
+        continue
+      other = results.get(versus, {}).get(k, {})
+      r["time_over_large_batch"] = ratio(r["ms_per_step"], r["large_batch_ms_same_rounds"])
+      r["compared_with"] = versus
+      r["time_over_fxaccum"] = ratio(r["ms_per_step"], other.get("ms_per_step"))
+      r["grad_bytes_over_large_batch"] = ratio(r["grad_reduction_bytes_per_step"],
+                                               ref["grad_reduction_bytes_per_step"])
+
+
+def describe_device() -> str:
+  """``"8 x cpu (cpu)"``: how many of which device produced a figure."""
+  d = jax.devices()[0]
+  return f"{jax.device_count()} x {d.device_kind} ({d.platform})"
+
+
+def brief(r: dict[str, Any]) -> str:
+  """One log line of a record."""
+  if "skipped" in r:
+    return f"SKIPPED ({r['skipped']})"
+  flag = "" if r.get("err_ok", True) else "  <-- ERROR >= 1e-5"
+  return (f"{r['ms_per_step']:.1f} ms/step, {r['grad_reduction_bytes_per_step'] / 2**20:.2f} "
+          f"MiB grad-reduced, {r['data_reductions_in_loops']} in loops, temp "
+          f"{(r['temp_bytes'] or 0) / 2**20:.2f} MiB, err {r['grad_rel_err']:.1e}{flag}")
+
+
+# -------------------------------------------------------------------------- report
+
+
+def _cells(by_k: dict[str, Any], ks: list[int], fmt: Callable[[dict[str, Any]], str]) -> str:
+  return " / ".join("skip" if "skipped" in by_k[str(k)] else fmt(by_k[str(k)]) for k in ks)
+
+
+def markdown(setup: dict[str, Any], ks: list[int]) -> str:
+  """The setup's reference line, one row per method (columns over k), and the skips."""
+  ref = setup["large_batch"]
+  mib = 2**20
+  kk = ks[-1]
+  floor = setup.get("grad_only", {})
+  floor = (f"; gradients alone (no optimizer): large batch "
+           f"{floor['large_batch']['ms_per_step']:.1f} ms, fxaccum k={kk} "
+           f"{floor[f'fxaccum_k{kk}']['ms_per_step']:.1f} ms" if len(floor) == 2 else "")
+  lines = [f"Large batch (the reference): {ref['ms_per_step']:.1f} ms per step, "
+           f"{ref['grad_reduction_bytes_per_step'] / mib:.2f} MiB gradient reduction, temp "
+           f"{_fmt(ratio(ref['temp_bytes'], mib))} MiB (peak with the state donated: "
+           f"{_fmt(ratio(ref.get('donated_peak_bytes'), mib))} MiB){floor}. "
+           f"On {setup['device']}.", ""]
+  lines += md_header(["method", "mode", *[f"ms k={k}" for k in ks], f"÷ large k={kk}",
+                      f"÷ fxaccum k={kk}", "grad-reduced ÷ large, k=" + "/".join(map(str, ks)),
+                      f"data reductions in loops k={kk}", "temp MiB, k=" + "/".join(map(str, ks)),
+                      f"peak MiB k={kk}, state donated", "max grad err"], numeric_from=2)
+  skipped = []
+  for method, by_k in setup["results"].items():
+    run = [r for r in by_k.values() if "skipped" not in r]
+    if not run:
+      skipped.append(f"- `{method}` skipped: {next(iter(by_k.values()))['skipped']}")
+      lines.append(md_row([method, METHODS[method][0], "skipped", *[""] * (len(ks) + 6)]))
+      continue
+    last = by_k[str(kk)]
+    worst = max(r["grad_rel_err"] for r in run)
+    err = f"{worst:.1e}" if worst < ERR_LIMIT else f"**{worst:.1e}** (≥ 1e-5)"
+    lines.append(md_row([
+        method, METHODS[method][0],
+        *["skip" if "skipped" in by_k[str(k)] else f"{by_k[str(k)]['ms_per_step']:.1f}"
+          for k in ks],
+        _fmt(last.get("time_over_large_batch")), _fmt(last.get("time_over_fxaccum")),
+        _cells(by_k, ks, lambda r: _fmt(r["grad_bytes_over_large_batch"])),
+        last.get("data_reductions_in_loops", "skip"),
+        _cells(by_k, ks, lambda r: _fmt(ratio(r["temp_bytes"], mib))),
+        _fmt(ratio(last.get("donated_peak_bytes"), mib)), err]))
+  return "\n".join(lines + ([""] + skipped if skipped else []))
+
+
+def _fmt(x: float | None) -> str:
+  return "-" if x is None else f"{x:.2f}"
+
+
+def flags(setups: dict[str, Any]) -> list[str]:
+  """Every record whose gradient error is >= ERR_LIMIT (fxaccum's must not be)."""
+  return [f"{name}/{method}/k={k}: grad_rel_err {r['grad_rel_err']:.2e} "
+          f"(worst leaf {r['grad_rel_err_worst_leaf']})"
+          for name, s in setups.items() for method, by_k in s.get("results", {}).items()
+          for k, r in by_k.items() if "skipped" not in r and not r["err_ok"]]
+
+
+def skips(setups: dict[str, Any]) -> list[str]:
+  """Every skipped setup or (method, k), with its reason."""
+  out = [f"{name}: {s['skipped']}" for name, s in setups.items() if "skipped" in s]
+  for name, s in setups.items():
+    for method, by_k in s.get("results", {}).items():
+      reasons = {r["skipped"] for r in by_k.values() if "skipped" in r}
+      ks = [k for k, r in by_k.items() if "skipped" in r]
+      out += [f"{name}/{method} k={','.join(ks)}: {reason}" for reason in sorted(reasons)]
+  return out
+
+
+NOTES = {
+    "ms_per_step": "median wall time of one optimizer step (in-step: 1 jitted call on the "
+                   "whole batch; cross-step: k calls of one micro-batch each), after 1 warm-up",
+    "time_over_fxaccum": "ms_per_step over that of the fxaccum method of the same mode and k "
+                         "(compared_with: fxaccum for in-step, fxaccum_cross for cross-step, "
+                         "fxaccum_cross_reduced where deferred sync cannot run)",
+    "grad_reduction_bytes_per_step": "bytes of all-reduce / reduce-scatter over the data axis "
+                                     "per optimizer step and device (a reduce-scatter counts "
+                                     "its unscattered size), from fxaccum.diagnostics of one "
+                                     "call: calls x (top level + loops, with trip counts) + "
+                                     "cond_runs x (conditional branches)",
+    "other_reduction_bytes_per_step": "the same over other axes (the model axis: tensor-"
+                                      "parallel activations) and unattributed reductions",
+    "data_reductions_in_loops": "data-axis reduction instructions inside while loops (one call)",
+    "big_data_reductions_outside_cond": f"data-axis reductions of more than {BIG} bytes at top "
+                                        "level or in loops of one call (run on every call)",
+    "temp_bytes": "compiled temp memory per device (memory_analysis) of one jitted call",
+    "donated_peak_bytes": "at the largest k: temp + arguments + outputs - aliased bytes per "
+                          "device of the call compiled with its state donated "
+                          "(donate_argnums=0); state_bytes: that state per device",
+    "grad_rel_err": f"the gradient Adam was handed (its first moment / (1 - b1) after the "
+                    f"step) vs the large batch's: max over leaves of max|a-b| / max|b|, each "
+                    f"leaf's scale floored at {REL_FLOOR} x the tree's max|b| (an attention key "
+                    "bias has an exact gradient of 0: rounding noise only); *_raw unfloored; "
+                    f"err_ok: < {ERR_LIMIT}",
+    "grad_only": "the gradient computation alone (no optimizer) at the largest k: the compute "
+                 "floor that accumulation cannot beat",
+}
+
+
+def main() -> None:
+  """Parses the flags, runs every setup, writes the JSON, tables and plots."""
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny sizes, 1 repeat; outputs in a temp folder unless given")
+  parser.add_argument("--out", default=None,
+                      help="JSON path (default benchmarks/results/suite.json)")
+  parser.add_argument("--images", default=None, help="PNG folder (default docs/images)")
+  parser.add_argument("--repeats", type=int, default=5, help="timed runs per mlp method")
+  parser.add_argument("--lm-repeats", type=int, default=3, help="timed runs per lm method")
+  parser.add_argument("--ks", default="1,2,4,8", help="micro-batches per optimizer step")
+  parser.add_argument("--setups", default=None,
+                      help=f"comma-separated subset of {','.join(SETUPS)} (default: all; "
+                           f"--quick: {','.join(QUICK_SETUPS)})")
+  args = parser.parse_args()
+  scratch = os.path.join(tempfile.gettempdir(), "fxaccum-bench-quick")
+  out_path = args.out or (os.path.join(scratch, "suite.json") if args.quick
+                          else "benchmarks/results/suite.json")
+  images = args.images or (scratch if args.quick else "docs/images")
+  ks = [int(k) for k in args.ks.split(",") if k]
+  started = time.perf_counter()
+  log = logger(started)
+  log(f"devices: {describe_device()}")
+  setups: dict[str, Any] = {}
+  names = args.setups.split(",") if args.setups else QUICK_SETUPS if args.quick else SETUPS
+  for name in names:
+    if name not in SETUPS:
+      raise SystemExit(f"unknown setup {name!r}; choose from {SETUPS}")
+    repeats = 1 if args.quick else args.lm_repeats if name.endswith("/lm") else args.repeats
+    setups[name] = run_setup(name, args.quick, ks, repeats, log)
+
+  tables = {name: markdown(s, ks) for name, s in setups.items() if "skipped" not in s}
+  payload = {
+      "benchmark": "suite",
+      "command": " ".join(["python", "benchmarks/run.py", *sys.argv[1:]]),
+      "quick": args.quick,
+      "ks": ks,
+      "optimizer": f"optax.adam({LR})",
+      "device": describe_device(),
+      "optax_microbatching_shim": optax_version_bug(),
+      **environment(),
+      "setups": setups,
+      "flags": flags(setups),
+      "skipped": skips(setups),
+      "tables_markdown": tables,
+      "notes": NOTES,
+  }
+  import plots  # matplotlib only after the measurements
+
+  payload["images"] = plots.plot_all(payload, images)
+  payload["total_seconds"] = round(time.perf_counter() - started, 1)
+  write_json(out_path, payload)
+  for name, table in tables.items():
+    print(f"\n### {name}\n\n{table}")
+  print("\nskipped:\n" + "\n".join(f"- {s}" for s in payload["skipped"]))
+  print("\nflagged (grad error >= 1e-5):\n" + "\n".join(f"- {s}" for s in payload["flags"]))
+  print(f"\nwrote {out_path} and {', '.join(payload['images'])}; total "
+        f"{payload['total_seconds']} s on {describe_device()}")
+
+
+if __name__ == "__main__":
+  main()
