@@ -168,12 +168,9 @@ class Prepared:
 def prepare(m: Method, batches: list[Any], mesh: Any, donated: bool = False) -> Prepared:
   """Compiles ``m.call`` for ``len(batches)`` calls per optimizer step; ``donated`` adds the
   memory of the call compiled with its state donated (as a training loop would)."""
-  state, note = m.state, m.note
+  state = m.state
   jax.block_until_ready(state)
   call, rep = compile_and_report(m.call, mesh, state, batches[0])
-  if len(batches) > 1 and (moved := settled(call, state)) is not state:
-    state, note = moved, f"{note}; {SETTLED_NOTE}"
-    call, rep = compile_and_report(m.call, mesh, state, batches[0])
 
   def window():
     out, loss = state, None
@@ -182,7 +179,7 @@ def prepare(m: Method, batches: list[Any], mesh: Any, donated: bool = False) -> 
     return out, loss
 
   figures = {"calls_per_step": len(batches), **reduction_figures(rep, len(batches),
-                                                                 m.cond_runs), "note": note}
+                                                                 m.cond_runs), "note": m.note}
   if donated:
     memory = jax.jit(m.call, donate_argnums=0).lower(state, batches[0]).compile()
     memory = diagnostics.from_compiled(memory).memory
@@ -190,23 +187,6 @@ def prepare(m: Method, batches: list[Any], mesh: Any, donated: bool = False) -> 
                    state_bytes=sum(math.prod(x.sharding.shard_shape(x.shape)) * x.itemsize
                                    for x in jax.tree.leaves(state)))
   return Prepared(window, figures, m.steps)
-
-
-SETTLED_NOTE = ("initial state resharded like the call's output (accumulate(data_axes=...) "
-                "lays its accumulator out over the data axes only, the call returns it "
-                "model-sharded like the gradient, and the next call would reject it)")
-
-
-def settled(call: Any, state: Any) -> Any:
-  """``state`` placed like the compiled ``call``'s output state (the same object when it
-  already is), so that the call accepts its own output on the next call."""
-  wanted = jax.tree.leaves(call.output_shardings[0])
-  leaves = jax.tree.leaves(state)
-  if all(x.sharding.is_equivalent_to(w, x.ndim) for x, w in zip(leaves, wanted, strict=True)):
-    return state
-  moved = jax.block_until_ready([jax.device_put(x, w) for x, w in zip(leaves, wanted,
-                                                                        strict=True)])
-  return jax.tree.unflatten(jax.tree.structure(state), moved)
 
 
 def grad_only(fn: Callable, params: Any, batch: Any, mesh: Any) -> Prepared:

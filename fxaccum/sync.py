@@ -138,6 +138,21 @@ def _known_axes(sharding: NamedSharding, concrete: bool) -> set[str]:
   return {a for a, t in types if t == AxisType.Explicit}
 
 
+def known_spec(leaf: Any) -> tuple[Any, ...]:
+  """The leaf's PartitionSpec entries, one per dimension, on the mesh axes whose sharding
+  is known (any axis of a concrete array; Explicit axes of a traced one); None elsewhere."""
+  ndim = len(jax.typeof(leaf).shape)
+  sharding, concrete = _named_sharding(leaf)
+  if sharding is None:
+    return (None,) * ndim
+  known = _known_axes(sharding, concrete)
+  entries = []
+  for entry in [*sharding.spec] + [None] * (ndim - len(sharding.spec)):
+    axes = tuple(a for a in _spec_axes(entry) if a in known)
+    entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return tuple(entries)
+
+
 def _spec_axes(entry: Any) -> tuple[str, ...]:
   if entry is None:
     return ()

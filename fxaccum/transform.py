@@ -205,14 +205,16 @@ def _data_mesh(params: Any, axes: tuple[str, ...]) -> Any:
 
 
 def _per_device_zeros(tree: Any, mesh: Any, axes: tuple[str, ...], dtype: Any) -> Any:
-  """Zeros with a leading axis of one slot per device of ``axes``, sharded over them."""
+  """Zeros with a leading axis of one slot per device of ``axes``, sharded over them; each
+  slot is sharded like its leaf on the other axes (e.g. tensor-parallel ``model``), so the
+  state a gated step returns is laid out like the state it took."""
   devices = math.prod(mesh.shape[a] for a in axes)
-  sharding = NamedSharding(mesh, P(axes))
   explicit = all(t == jax.sharding.AxisType.Explicit
                  for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if a in axes)
 
   def zeros(leaf):
     out = jnp.zeros((devices, *jnp.shape(leaf)), dtype)
+    sharding = NamedSharding(mesh, P(axes, *sync.known_spec(leaf)))
     if explicit:  # sharding in types
       return jax.sharding.reshard(out, sharding)
     if isinstance(mesh, jax.sharding.Mesh) and not isinstance(leaf, jax.core.Tracer):

@@ -108,3 +108,29 @@ def test_per_device_accumulator_layout_for_every_init_path(axis_type):
     jax.jit(tx.init)(params)  # jit without a mesh context: a clear error
   with pytest.raises(ValueError, match=r"the mesh has no axes \['batch'\]"):
     optax.chain(fxaccum.accumulate(K, data_axes="batch"), optax.sgd(1.0)).init(params)
+
+
+TP = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
+def test_deferred_sync_on_data_x_model_keeps_the_accumulator_layout(axis_type):
+  """Per-device slots over ``data``, each slot sharded like its param over ``model``: the
+  state a step returns is laid out as the state it took (an AOT-compiled step takes it)."""
+  params = make_params()
+  calls = [make_data(seed=s, k=2) for s in range(2 * K)]
+  mesh = mesh_of((4, 2), ("data", "model"), axis_type)
+  tx = optax.chain(fxaccum.accumulate(K, data_axes="data"), optax.adam(1e-2))
+  grad_fn = fxaccum.value_and_grad(weighted_loss, micro_batches=2, reduce=False)
+  with jax.set_mesh(mesh):
+    state = fxaccum.TrainState.create(apply_fn=None, params=put(params, mesh, TP), tx=tx)
+    for name, acc in state.opt_state[0].accumulator.items():
+      want = jax.sharding.NamedSharding(mesh, P("data", *TP[name]))
+      assert acc.sharding.is_equivalent_to(want, acc.ndim), (name, acc.sharding)
+    step = jax.jit(train_step_fn(grad_fn)).lower(state, put(calls[0], mesh, DATA)).compile()
+    for batch in calls:
+      state, _ = jax.block_until_ready(step(state, put(batch, mesh, DATA)))
+  assert int(state.step) == 2
+  ref = one_device_run(params, calls)
+  assert_tree_close(state.params, ref.params, rtol=1e-5)
+  assert_tree_close(state.opt_state[1], ref.opt_state[1], rtol=1e-5)
