@@ -148,12 +148,13 @@ def known_spec(leaf: Any) -> tuple[Any, ...]:
   known = _known_axes(sharding, concrete)
   entries = []
   for entry in [*sharding.spec] + [None] * (ndim - len(sharding.spec)):
-    axes = tuple(a for a in _spec_axes(entry) if a in known)
+    axes = tuple(a for a in spec_axes(entry) if a in known)
     entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
   return tuple(entries)
 
 
-def _spec_axes(entry: Any) -> tuple[str, ...]:
+def spec_axes(entry: Any) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
   if entry is None:
     return ()
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
@@ -225,7 +226,7 @@ def _infer_data_axes(mesh: Any, batch_leaves: Sequence[Any], manual: set[str]) -
     known = _known_axes(sharding, concrete)
     spec = sharding.spec
     if len(spec):
-      found |= set(_spec_axes(spec[0])) & known
+      found |= set(spec_axes(spec[0])) & known
     unknown |= set(mesh.axis_names) - known
   unknown -= found | manual
   found |= {a for a in CONVENTIONAL_DATA_AXES if a in unknown}
@@ -240,7 +241,7 @@ def _data_dims(leaf: Any, data_axes: tuple[str, ...]) -> DataDims:
     return ()
   dims = []
   for dim, entry in enumerate(sharding.spec):
-    axes = _spec_axes(entry)
+    axes = spec_axes(entry)
     on_data = tuple(a for a in axes if a in data_axes)
     if on_data and len(on_data) != len(axes):
       raise ValueError(
@@ -274,7 +275,7 @@ def conform(x: Any, spec: P, data_axes: tuple[str, ...]) -> Any:
   wanted = [*spec] + [None] * (ndim - len(spec))
   entries = []
   for have, want in zip(current, wanted, strict=True):
-    axes = _spec_axes(want) + tuple(a for a in _spec_axes(have) if a not in data_axes)
+    axes = spec_axes(want) + tuple(a for a in spec_axes(have) if a not in data_axes)
     entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
   if tuple(entries) == tuple(current):
     return x

@@ -213,8 +213,15 @@ def _per_device_zeros(tree: Any, mesh: Any, axes: tuple[str, ...], dtype: Any) -
                  for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if a in axes)
 
   def zeros(leaf):
+    spec = sync.known_spec(leaf)
+    if set(axes) & {a for entry in spec for a in sync.spec_axes(entry)}:
+      raise ValueError(
+          f"accumulate(data_axes={axes}) keeps one full gradient sum per device, so it needs "
+          f"params replicated over {axes}, but a param of shape {jnp.shape(leaf)} is sharded "
+          f"P{tuple(spec)} (FSDP). Use accumulate(every_k) without data_axes: FSDP gradients "
+          "are then reduce-scattered on every call.")
     out = jnp.zeros((devices, *jnp.shape(leaf)), dtype)
-    sharding = NamedSharding(mesh, P(axes, *sync.known_spec(leaf)))
+    sharding = NamedSharding(mesh, P(axes, *spec))
     if explicit:  # sharding in types
       return jax.sharding.reshard(out, sharding)
     if isinstance(mesh, jax.sharding.Mesh) and not isinstance(leaf, jax.core.Tracer):

@@ -134,3 +134,12 @@ def test_deferred_sync_on_data_x_model_keeps_the_accumulator_layout(axis_type):
   ref = one_device_run(params, calls)
   assert_tree_close(state.params, ref.params, rtol=1e-5)
   assert_tree_close(state.opt_state[1], ref.opt_state[1], rtol=1e-5)
+
+
+def test_deferred_sync_refuses_fsdp_params_at_init():
+  mesh = mesh_of((8,), ("data",), AXIS_TYPES[1])
+  tx = optax.chain(fxaccum.accumulate(K, data_axes="data"), optax.adam(1e-2))
+  params = put(make_params(), mesh, {"w1": P("data", None)})
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"replicated over \('data',\).*"
+                                         r"FSDP.*without data_axes"):
+    tx.init(params)
