@@ -121,5 +121,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_script(path: str, *args: str) -> str:
   """Runs a repository script (it sets up its own 8 CPU devices) and returns its stdout."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  return subprocess.run([sys.executable, str(ROOT / path), *args], capture_output=True,
-                        text=True, timeout=300, env=env, check=True).stdout
+  done = subprocess.run([sys.executable, str(ROOT / path), *args], capture_output=True,
+                        text=True, timeout=300, env=env)
+  assert done.returncode == 0, (f"{path} {' '.join(args)} exited with {done.returncode}:\n"
+                                f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+  return done.stdout
