@@ -27,9 +27,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from fxaccum import sync
+from fxaccum import _view, sync
+from fxaccum._view import Path
 
-__all__ = ["Collective", "Memory", "Report", "report", "from_compiled", "REDUCTIONS"]
+__all__ = ["Collective", "Memory", "Path", "Report", "REDUCTIONS", "from_compiled", "paths",
+           "report"]
 
 #: Collective kinds that reduce (sum) values across devices.
 REDUCTIONS = ("all-reduce", "reduce-scatter")
@@ -116,6 +118,8 @@ class Report:
 
   Built by :func:`report` or :func:`from_compiled`; filter its collectives with
   :meth:`select`, :meth:`count`, :meth:`bytes_per_call` and :meth:`reductions`.
+  ``paths`` lists, for each ``fxaccum.value_and_grad`` call compiled into the program,
+  which view ran its loss and why (:class:`Path`).
 
   Example:
     >>> from fxaccum.diagnostics import Collective, Report
@@ -136,6 +140,7 @@ class Report:
 
   collectives: tuple[Collective, ...]
   memory: Memory | None
+  paths: tuple[Path, ...] = ()
 
   def select(
       self,
@@ -185,6 +190,7 @@ class Report:
           f"memory: temp={m.temp_bytes} args={m.argument_bytes} out={m.output_bytes} "
           f"alias={m.alias_bytes} peak~{m.peak_bytes}"
       )
+    lines.extend(f"fxaccum: {path}" for path in self.paths)
     return "\n".join(lines)
 
 
@@ -224,6 +230,32 @@ def report(fn: Callable[..., Any], *args: Any, mesh: Any = None, **kwargs: Any) 
   return from_compiled(compiled, mesh=mesh)
 
 
+def paths(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Path]:
+  """Which view each ``fxaccum.value_and_grad`` call in ``fn`` runs its loss in, and why.
+
+  Traces and lowers ``fn`` for the example arguments (no compilation; cheaper than
+  :func:`report`, whose ``paths`` say the same).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, fxaccum
+    >>> def centred(w, x):   # each example minus the batch mean: mixes examples
+    ...   h = x * w
+    ...   return jnp.mean((h - jnp.mean(h, axis=0)) ** 2)
+    >>> n = jax.device_count()
+    >>> with jax.set_mesh(jax.make_mesh((n,), ("data",))):
+    ...   x = jax.device_put(jnp.ones((4 * n, 3)), jax.P("data"))
+    ...   mean = lambda w, x: jnp.mean((x * w) ** 2)
+    ...   views = [fxaccum.diagnostics.paths(
+    ...       jax.jit(fxaccum.value_and_grad(f, micro_batches=2)), jnp.ones(3), x)[0].view
+    ...       for f in (mean, centred)]
+    >>> views
+    ['device', 'global']
+  """
+  if not hasattr(fn, "lower"):
+    fn = jax.jit(fn)
+  return _view.recorded(fn.lower(*args, **kwargs).as_text(debug_info=True))
+
+
 def from_compiled(compiled: Any, mesh: Any = None) -> Report:
   """Builds a :class:`Report` from a ``jax.stages.Compiled``.
 
@@ -248,7 +280,8 @@ def from_compiled(compiled: Any, mesh: Any = None) -> Report:
         alias_bytes=int(analysis.alias_size_in_bytes),
         generated_code_bytes=int(analysis.generated_code_size_in_bytes),
     )
-  return Report(tuple(parse_hlo(compiled.as_text(), mesh)), memory)
+  text = compiled.as_text()
+  return Report(tuple(parse_hlo(text, mesh)), memory, tuple(_view.recorded(text)))
 
 
 def parse_hlo(text: str, mesh: Any = None) -> list[Collective]:

@@ -1,10 +1,16 @@
 """In-step gradient accumulation: ``value_and_grad`` / ``grad`` with ``micro_batches=k``.
 
+The contract, for every loss on every mesh: with ``micro_batches=1`` the result equals
+``jax.value_and_grad(fun)``; with ``k > 1`` it equals the weighted mean of
+``jax.value_and_grad(fun)`` over the k *global* micro-batches (micro-batch ``i`` holds rows
+``i::k`` of every device's rows, on all devices together).
+
 The loss function is the *compute-grad* part: it runs once per micro-batch inside one
-``lax.scan`` of the compiled step, under ``jax.named_scope("fxaccum_compute")``.
-Everything the caller does with the result (the optimizer) is the *apply-grad* part and
-runs once. Gradients are summed per device in ``accum_dtype`` and reduced over the
-data-parallel devices once, after the loop (see :mod:`fxaccum.sync`).
+``lax.scan`` of the compiled step, under ``jax.named_scope("fxaccum_compute")``. Which
+*view* runs it is decided per traced call (:mod:`fxaccum._view`): per device, with the
+gradients summed locally and reduced over the data axes once after the loop, where the
+loss provably keeps its examples apart; otherwise on the global micro-batch, as
+``jax.value_and_grad`` runs it.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fxaccum import split, sync
+from fxaccum import _analysis, _view, split, sync
 from fxaccum.weighted import Weighted, safe_divide, weight_dtype
 
 __all__ = ["value_and_grad", "grad"]
@@ -39,6 +46,8 @@ def value_and_grad(
     rng_argnums: int | Sequence[int] = (),
     fsdp_reduce: FsdpReduce = "per_micro_batch",
     reduce: bool = True,
+    view: _view.View = "auto",
+    param_shardings: Any = None,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, over ``micro_batches`` micro-batches of the batch.
 
@@ -46,33 +55,38 @@ def value_and_grad(
   ``micro_batches`` equal parts (micro-batch ``i`` holds rows ``i::micro_batches`` of each
   device's rows, so a data-sharded batch is never resharded). Every other argument
   (params, constants, keys) is shared by all micro-batches. ``fun`` runs on one
-  micro-batch at a time inside a single ``lax.scan``; the result equals
-  ``jax.value_and_grad(fun)`` on the whole batch, up to float rounding:
+  micro-batch at a time inside a single ``lax.scan``. The result is the weighted mean of
+  ``jax.value_and_grad(fun)`` over the global micro-batches, for every loss:
 
-  * if ``fun`` returns a scalar, it must be the **mean over its micro-batch's examples**;
-    the value is the mean over all examples;
+  * if ``fun`` returns a scalar, each micro-batch weighs 1: for a **mean over the
+    micro-batch's examples** the value is the mean over all examples, exactly what
+    ``jax.value_and_grad`` gives on the whole batch;
   * if ``fun`` returns :class:`fxaccum.Weighted` ``(total, weight)``, the value is
-    ``sum(total) / sum(weight)`` over all micro-batches and data-parallel devices (0 when
-    the summed weight is 0), and the gradient is that of this global ratio;
+    ``sum(total) / sum(weight)`` over all micro-batches (0 when the summed weight is 0),
+    and the gradient is that of this global ratio;
   * with ``has_aux=True``, ``fun`` returns ``(loss, aux)`` and every ``aux`` leaf is
-    averaged over the micro-batches with the loss's weights (equal weights for a scalar
-    loss), summed in float32; an ``aux`` leaf that is itself a ``Weighted`` is normalized by
-    its own weight. Aux leaves come back as float32. A micro-batch of weight 0 adds
-    nothing to the aux average (even a NaN metric).
+    averaged over the micro-batches with the loss's weights, summed in float32; an
+    ``aux`` leaf that is itself a ``Weighted`` is normalized by its own weight. Aux leaves
+    come back as float32. A micro-batch of weight 0 adds nothing to the aux average.
+
+  Losses that mix examples (batch statistics, BatchNorm in train mode, in-batch
+  negatives) get exactly this contract too. ``view`` picks how the loss runs on a mesh:
+  ``"auto"`` runs it per device, with one data-axis reduction after the loop, when an
+  analysis of its jaxpr proves that gives the same result (sums or means of per-example
+  terms), and otherwise on the global micro-batch like ``jax.value_and_grad``;
+  ``"device"`` forces the per-device view (each device's rows are a micro-batch of their
+  own, like DDP without SyncBatchNorm); ``"global"`` forces the global view.
+  ``fxaccum.diagnostics.report(step, ...).paths`` says which view a step took and why.
 
   Gradients come back in the dtype of the params (like ``jax.grad``), summed in
-  ``accum_dtype``; the value has the dtype of the loss ``fun`` returned. With data axes,
-  each device keeps its partial sums and one reduction over the data axes runs after the
-  loop. Params sharded over a data axis (FSDP) are gathered per micro-batch and their
-  gradients reduce-scattered per micro-batch into a sharded accumulator
+  ``accum_dtype``; the value has the dtype of the loss ``fun`` returned. Params sharded
+  over a data axis (FSDP) keep their sharding: in the per-device view they are gathered
+  per micro-batch and their gradients reduce-scattered per micro-batch
   (``fsdp_reduce="per_micro_batch"``, memory-optimal), or gathered once with one
-  reduce-scatter per step (``fsdp_reduce="per_step"``, one full-size local accumulator,
-  communication-optimal).
+  reduce-scatter per step (``"per_step"``).
 
-  Randomness: keys at ``rng_argnums`` are replaced, for micro-batch ``i`` on data-parallel
-  device ``d``, by ``jax.random.fold_in(key, d * micro_batches + i)``, so dropout differs
-  between micro-batches. Alternatively put per-example keys in the batch
-  (``jax.random.split(key, batch_size)``) and they are split like the data.
+  Randomness: keys at ``rng_argnums`` are replaced, for micro-batch ``i``, by
+  ``jax.random.fold_in(key, i)``, so dropout differs between micro-batches.
 
   Args:
     fun: loss function; see above for what it returns.
@@ -92,6 +106,13 @@ def value_and_grad(
       come back as :class:`fxaccum.Unreduced` per-device sums (the value is still the
       reduced loss). Feed them to a chain with ``fxaccum.accumulate(k, data_axes=...)``.
       Params must be replicated over the data axes.
+    view: ``"auto"`` (default), ``"device"`` or ``"global"``; see above.
+    param_shardings: the params' shardings where JAX does not show them (inside
+      ``jax.jit`` on an ``Auto`` mesh): a tree of ``PartitionSpec`` / ``NamedSharding``
+      (or None) with the structure of the differentiated argument (a tuple of trees for
+      a tuple ``argnums``), e.g. from ``nn.get_partition_spec`` or
+      ``nnx.get_partition_spec``. FSDP gradients then come back sharded like the params.
+      flax NNX ``Variable`` sharding metadata is read without it.
 
   Returns:
     A function with the signature of ``fun`` returning ``(value, grads)``, or
@@ -100,7 +121,8 @@ def value_and_grad(
   Raises:
     ValueError / TypeError: for a bad ``micro_batches``, overlapping or out-of-range
       argnums, a batch that does not split evenly (per device), unknown ``data_axes``,
-      non-float differentiated leaves, or a ``has_aux`` mismatch; all at trace time.
+      non-float differentiated leaves, a ``has_aux`` mismatch, or ``view="device"`` with
+      a loss that cannot run per device; all at trace time.
 
   Example:
     >>> import jax, jax.numpy as jnp, fxaccum
@@ -135,22 +157,28 @@ def value_and_grad(
     raise ValueError(
         f"fsdp_reduce must be 'per_micro_batch' or 'per_step', got {fsdp_reduce!r}."
     )
+  if view not in ("auto", "global", "device"):
+    raise ValueError(f"view must be 'auto', 'global' or 'device', got {view!r}.")
   axes_override = None if data_axes is None else _as_axes(data_axes)
   accum_dtype = jnp.dtype(accum_dtype)
   if not jnp.issubdtype(accum_dtype, jnp.floating):
     raise TypeError(f"accum_dtype must be a float dtype, got {accum_dtype}.")
+  single_argnum = isinstance(argnums, int)
   config = _Config(
       fun=fun,
       has_aux=has_aux,
       micro_batches=micro_batches,
       diff_argnums=diff_argnums,
-      single_argnum=isinstance(argnums, int),
+      single_argnum=single_argnum,
       batch_argnums=batch_argnums_t,
       rng_argnums=rng_argnums_t,
       accum_dtype=accum_dtype,
       fsdp_reduce=fsdp_reduce,
       reduce=bool(reduce),
+      view=view,
   )
+  shardings = (None if param_shardings is None
+               else (param_shardings,) if single_argnum else tuple(param_shardings))
   compiled_for_layout: dict[sync.Layout, Callable[..., Any]] = {}
 
   @functools.wraps(fun)
@@ -168,7 +196,7 @@ def value_and_grad(
     _check_differentiable(diff, diff_argnums)
     diff_leaves = jax.tree.leaves(diff)
     layout = sync.plan(diff_leaves, jax.tree.leaves(batch), jax.tree.leaves(other),
-                       axes_override)
+                       axes_override, sync.param_hints(diff, shardings))
     split.leading_size(batch, micro_batches, layout.data_devices)
     if not reduce and any(layout.param_dims):
       raise ValueError(
@@ -234,6 +262,36 @@ class _Config:
   accum_dtype: Any
   fsdp_reduce: FsdpReduce
   reduce: bool
+  view: _view.View
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """One traced call: the differentiated leaves and everything else ``fun`` receives."""
+
+  diff_leaves: list[Any]
+  diff_def: Any
+  rest: tuple[Any, ...]  # the positional args, None at the differentiated ones
+  kwargs: dict[str, Any]
+
+  def batch(self, config: _Config) -> dict[int, Any]:
+    return {i: self.rest[i] for i in config.batch_argnums}
+
+  def loss(self, config: _Config, diff_leaves, micro, index) -> tuple[Any, Any, Any]:
+    """``fun`` on micro-batch ``micro`` (number ``index``) as ``(total, weight, aux)``."""
+    call_args = list(self.rest)
+    for i in config.batch_argnums:
+      call_args[i] = micro[i]
+    for i in config.rng_argnums:
+      call_args[i] = split.fold(self.rest[i], index)
+    values = jax.tree.unflatten(self.diff_def, diff_leaves)
+    for i, value in zip(config.diff_argnums, values, strict=True):
+      call_args[i] = value
+    with jax.named_scope("fxaccum_compute"):
+      out = config.fun(*call_args, **self.kwargs)
+    loss, aux = _split_output(out, config.has_aux)
+    total, weight = _total_and_weight(loss)
+    return total, weight, aux
 
 
 def _as_axes(data_axes: str | Sequence[str]) -> tuple[str, ...]:
@@ -300,138 +358,217 @@ def _is_weighted(x: Any) -> bool:
   return isinstance(x, Weighted)
 
 
-def _specs_like(tree: Any, spec: P) -> Any:
-  return jax.tree.map(lambda _: spec, tree)
+def _explicit(mesh: Any, axes: Sequence[str]) -> bool:
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  return bool(axes) and all(types[a] == AxisType.Explicit for a in axes)
+
+
+# ---------------------------------------------------------------------------------------
+# Which view
 
 
 def _run(config: _Config, layout: sync.Layout, kwargs: dict, args: tuple) -> Any:
   """The whole accumulation for one layout; jit-traceable."""
   diff = tuple(args[i] for i in config.diff_argnums)
   diff_leaves, diff_def = jax.tree.flatten(diff)
-  rest = tuple(a if i not in config.diff_argnums else None for i, a in enumerate(args))
+  rest = tuple(None if i in config.diff_argnums else a for i, a in enumerate(args))
+  call = _Call(diff_leaves, diff_def, rest, kwargs)
+  if not layout.data_axes:
+    path = _view.Path("global", "the batch is not split over data-parallel devices", ())
+    value_aux, grads = _global(config, layout, path, frozenset(), call)
+  else:
+    path, reducible = _decide(config, layout, call)
+    value_aux = None
+    if path.view == "device":
+      try:
+        value_aux, grads = _device(config, layout, path, call)
+      except Exception as err:  # noqa: BLE001 - any failure to trace per device
+        if config.view == "device":
+          raise ValueError(
+              f"view='device' could not run the loss per device: {_first_line(err)}. Use "
+              "view='auto' (the default) or view='global'.") from err
+        path = dataclasses.replace(
+            path, view="global",
+            reason=f"the loss did not trace per device ({_first_line(err)})")
+    if value_aux is None:
+      value_aux, grads = _global(config, layout, path, reducible, call)
+  if config.single_argnum and not isinstance(grads, sync.Unreduced):
+    grads = grads[0]
+  return (value_aux, grads) if config.has_aux else (value_aux[0], grads)
 
-  def local(diff_leaves, rest):
-    return _accumulate(config, layout, diff_leaves, diff_def, rest, kwargs)
 
-  if layout.data_axes:
-    batch_spec = P(layout.data_axes)
-    rest_specs = tuple(
-        _specs_like(a, batch_spec if i in config.batch_argnums else P())
-        for i, a in enumerate(rest)
-    )
-    param_specs = [layout.param_spec(i) for i in range(len(diff_leaves))]
-    diff_leaves, rest = jax.tree.map(
-        lambda x, spec: sync.conform(x, spec, layout.data_axes),
-        (diff_leaves, rest), (param_specs, rest_specs))
-    grad_specs = param_specs if config.reduce else (
-        [batch_spec] * len(diff_leaves), batch_spec)  # per-device sums and weights
-    local = jax.shard_map(
-        local,
-        mesh=layout.mesh,
-        in_specs=(param_specs, rest_specs),
-        out_specs=(P(), grad_specs),
-        axis_names=set(layout.data_axes),
-    )
-  (value, aux), grad_leaves = local(diff_leaves, rest)
+def _first_line(err: BaseException) -> str:
+  text = str(err).strip().splitlines()
+  return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+def _decide(config: _Config, layout: sync.Layout, call: _Call) -> tuple[
+    _view.Path, frozenset[int]]:
+  """The view for this call and the leaves the global view may keep ``reduced``."""
+  axes = layout.data_axes
+  explicit = _explicit(layout.mesh, axes)
+  if config.view == "global" and not explicit:
+    return _view.Path("global", "view='global'", axes), frozenset()
+  try:
+    analysis, roles = _analyze(config, layout, call, paired=config.view == "auto")
+  except NameError as err:  # a collective over an axis that only the device view binds
+    if config.view == "device":
+      return _view.Path("device", "view='device'", axes), frozenset()
+    raise ValueError(
+        f"The loss does not run on the global micro-batch ({_first_line(err)}). A loss "
+        "that names the data axes in collectives (e.g. flax BatchNorm(axis_name=...), "
+        "jax.lax.pmean(x, 'data')) runs only per device: pass view='device'.") from err
+  reducible = analysis.reducible if explicit else frozenset()
+  blockers = [*analysis.blockers, *([layout.device_blocker] if layout.device_blocker else [])]
+  if config.view == "device":
+    if blockers:
+      raise ValueError(
+          f"view='device' cannot run this loss per device: {blockers[0]}. Use view='auto' "
+          "(the default) or view='global'.")
+    return _view.Path("device", "view='device'", axes), reducible
+  if config.view == "global":
+    return _view.Path("global", "view='global'", axes), reducible
+  problem, what = _view.classify(analysis.outputs, roles)
+  problem = blockers[0] if blockers else problem
+  if problem is not None:
+    return _view.Path("global", problem, axes), reducible
+  return _view.Path("device", f"the loss is a {what} of per-example terms", axes), reducible
+
+
+def _analyze(config: _Config, layout: sync.Layout, call: _Call,
+             paired: bool) -> tuple[_analysis.Analysis, list]:
+  """:func:`fxaccum._analysis.analyze` of the loss on a global micro-batch (paired with a
+  trace at twice its rows, to tell how each value scales); also each output's role.
+
+  The loss is traced with the types the global view gives it; if that fails (code valid
+  only per device, e.g. a gather of data-sharded indices on an Explicit mesh), with the
+  data axes dropped from the types, as the per-device view sees them. Values, and so the
+  analysis, do not depend on shardings.
+  """
+  micro = jax.eval_shape(lambda b: split.micro_batch(b, 0, config.micro_batches),
+                         call.batch(config))
+  leaves = [_gathered(leaf, layout.data_axes) for leaf in call.diff_leaves]
+
+  def trace(leaves, micro):
+    return jax.make_jaxpr(lambda leaves, micro: call.loss(config, leaves, micro, 0),
+                          return_shape=True)(leaves, micro)
+
+  def trace_either(micro):
+    try:
+      return trace(leaves, micro)
+    except Exception as err:  # noqa: BLE001 - retried without data axes, else re-raised
+      try:
+        return trace(*jax.tree.map(lambda x: _gathered(x, layout.data_axes, batch=True),
+                                   (leaves, micro)))
+      except Exception:  # noqa: BLE001
+        raise err from None
+
+  closed, (_, _, aux) = trace_either(micro)
+  twice = None
+  if paired:
+    doubled = jax.eval_shape(
+        lambda m: jax.tree.map(lambda a: jnp.concatenate([a, a]), m), micro)
+    twice, _ = trace_either(doubled)
+  roles: list[_view.Role] = ["total", "weight"]
+  for marker in jax.tree.leaves(aux, is_leaf=_is_weighted):
+    roles.extend(["aux_total", "aux_weight"] if _is_weighted(marker) else ["aux"])
+  n_diff = len(call.diff_leaves)
+  analysis = _analysis.analyze(
+      closed, rows=jax.tree.leaves(micro)[0].shape[0],
+      batch_inputs=range(n_diff, n_diff + len(jax.tree.leaves(micro))),
+      param_inputs=range(n_diff), twice=twice)
+  return analysis, roles
+
+
+def _gathered(leaf: Any, data_axes: tuple[str, ...], batch: bool = False) -> Any:
+  """An abstract value like ``leaf``, with the data axes dropped from its type.
+
+  Differentiated leaves enter the loss like this in either view (FSDP params typed
+  sharded over data axes on an Explicit mesh are gathered before the loss); with
+  ``batch=True`` any leaf, as the per-device view types it.
+  """
+  aval = jax.typeof(leaf)
+  sharding = getattr(aval, "sharding", None)
+  if not isinstance(sharding, NamedSharding) or not _named(sharding.spec) & set(data_axes):
+    return leaf if not batch else jax.ShapeDtypeStruct(aval.shape, aval.dtype,
+                                                      sharding=sharding)
+  spec = P(*(tuple(a for a in sync.spec_axes(e) if a not in data_axes) or None
+             for e in sharding.spec))
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
+                              sharding=NamedSharding(sharding.mesh, spec))
+
+
+# ---------------------------------------------------------------------------------------
+# The two views
+
+
+def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call):
+  """Per-device view: a shard_map manual over the data axes, one reduction after the loop."""
+  axes = layout.data_axes
+  batch_spec = P(axes)
+  rest_specs = tuple(_specs_like(a, batch_spec if i in config.batch_argnums else P())
+                     for i, a in enumerate(call.rest))
+  param_specs = [layout.param_spec(i) for i in range(len(call.diff_leaves))]
+  kw_leaves, kw_def = jax.tree.flatten(call.kwargs)
+  kw_arrays = [i for i, leaf in enumerate(kw_leaves) if _is_array(leaf)]
+  conform = functools.partial(sync.conform, data_axes=axes)
+  diff_leaves = [conform(x, spec) for x, spec in zip(call.diff_leaves, param_specs, strict=True)]
+  rest = jax.tree.map(conform, call.rest, rest_specs)
+  arrays = [conform(kw_leaves[i], P()) for i in kw_arrays]
+
+  def local(diff_leaves, rest, arrays):
+    leaves = list(kw_leaves)
+    for i, array in zip(kw_arrays, arrays, strict=True):
+      leaves[i] = array
+    local_call = _Call(diff_leaves, call.diff_def, rest, jax.tree.unflatten(kw_def, leaves))
+    return _device_loop(config, layout, local_call)
+
+  grad_specs = param_specs if config.reduce else (
+      [batch_spec] * len(diff_leaves), batch_spec)  # per-device sums and weights
+  local = jax.shard_map(
+      local, mesh=layout.mesh,
+      in_specs=(param_specs, rest_specs, [P()] * len(arrays)),
+      out_specs=((P(), P()), grad_specs), axis_names=set(axes))
+  with jax.named_scope(_view.record(path)):
+    value_aux, grad_leaves = local(diff_leaves, rest, arrays)
   if not config.reduce:
     grad_leaves, weight = grad_leaves
-    total = jax.tree.unflatten(diff_def, grad_leaves)
-    grads = sync.Unreduced(total[0] if config.single_argnum else total, weight)
-    return ((value, aux), grads) if config.has_aux else (value, grads)
-  grads = jax.tree.unflatten(diff_def, grad_leaves)
-  if config.single_argnum:
-    grads = grads[0]
-  return ((value, aux), grads) if config.has_aux else (value, grads)
+    return value_aux, sync.Unreduced(_unflatten_grads(config, call, grad_leaves), weight)
+  return value_aux, jax.tree.unflatten(call.diff_def, grad_leaves)
 
 
-def _accumulate(config, layout, diff_leaves, diff_def, rest, kwargs):
-  """Per-device loop: sums of gradients, loss totals, weights and aux over micro-batches."""
-  k = config.micro_batches
+def _specs_like(tree: Any, spec: P) -> Any:
+  return jax.tree.map(lambda _: spec, tree)
+
+
+def _unflatten_grads(config: _Config, call: _Call, leaves: list[Any]) -> Any:
+  grads = jax.tree.unflatten(call.diff_def, leaves)
+  return grads[0] if config.single_argnum else grads
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, jax.core.Tracer)) or hasattr(x, "__array__")
+
+
+def _device_loop(config: _Config, layout: sync.Layout, call: _Call):
+  """Inside the data-manual region: local sums over the micro-batches, then reductions."""
   axes = layout.data_axes
   per_step = config.fsdp_reduce == "per_step"
   # Leaves gathered inside the loop body (FSDP per micro-batch) vs. held whole locally.
   gather_in_loop = [dims if not per_step else () for dims in layout.param_dims]
-  whole = [
-      sync.gather(leaf, dims) if per_step else leaf
-      for leaf, dims in zip(diff_leaves, layout.param_dims, strict=True)
-  ]
+  whole = [sync.gather(leaf, dims) if per_step else leaf
+           for leaf, dims in zip(call.diff_leaves, layout.param_dims, strict=True)]
   # Varying (per-device) params: jax.grad then returns local partial sums, no psum.
   whole = sync.vary(whole, axes)
-  batch = {i: rest[i] for i in config.batch_argnums}
-  device = lax.axis_index(axes) if axes else 0
-
-  def micro_step(index):
-    """The loss of micro-batch ``index`` as a function of the (local) differentiated
-    leaves, returning ``(total, (weight, aux))``."""
-    micro = split.micro_batch(batch, index, k)
-    call_args = list(rest)
-    for i in config.batch_argnums:
-      call_args[i] = micro[i]
-    for i in config.rng_argnums:
-      call_args[i] = split.fold(rest[i], device * k + index)
-
-    def compute(leaves):
-      full = [sync.gather(leaf, dims) for leaf, dims in zip(leaves, gather_in_loop, strict=True)]
-      for i, value in zip(config.diff_argnums, jax.tree.unflatten(diff_def, full), strict=True):
-        call_args[i] = value
-      with jax.named_scope("fxaccum_compute"):
-        out = config.fun(*call_args, **kwargs)
-      loss, aux = _split_output(out, config.has_aux)
-      total, weight = _total_and_weight(loss)
-      return total, (weight, aux)
-
-    return compute
-
-  def body_outputs(index):
-    compute = micro_step(index)
-    (total, (weight, aux)), grads = jax.value_and_grad(compute, has_aux=True)(whole)
-    return total, weight, aux, grads
-
-  # Shapes of one micro-step's outputs, to build the loop carry.
-  total_shape, (weight_shape, aux_template) = jax.eval_shape(micro_step(0), whole)
-  total_dtype = total_shape.dtype
-
-  def zeros(x, dtype=None):
-    return sync.vary(jnp.zeros(x.shape, dtype or x.dtype), axes)
-
-  init = (
-      # zeros_like keeps the params' sharding (typed on Explicit meshes): the accumulator
-      # is sharded like the params.
-      [sync.vary(jnp.zeros_like(leaf, config.accum_dtype), axes) for leaf in whole],
-      zeros(jax.ShapeDtypeStruct((), jnp.promote_types(total_dtype, jnp.float32))),
-      zeros(weight_shape),
-      jax.tree.map(lambda a: _aux_zeros(a, zeros), aux_template, is_leaf=_is_weighted),
-  )
-
-  def body(carry, index):
-    grad_acc, total_acc, weight_acc, aux_acc = carry
-    total, weight, aux, grads = body_outputs(index)
-    grad_acc = [acc + g.astype(acc.dtype) for acc, g in zip(grad_acc, grads, strict=True)]
-    aux_acc = jax.tree.map(
-        lambda acc, a: _aux_add(acc, a, weight), aux_acc, aux, is_leaf=_is_weighted
-    )
-    carry = (
-        grad_acc,
-        total_acc + total.astype(total_acc.dtype),
-        weight_acc + weight,
-        aux_acc,
-    )
-    return sync.vary(carry, axes), None
-
-  (grad_acc, total, weight, aux_acc), _ = lax.scan(body, init, jnp.arange(k))
-
+  accumulators = [sync.vary(jnp.zeros_like(leaf, config.accum_dtype), axes) for leaf in whole]
+  (value, aux), grad_acc, weight, local_weight = _loop(
+      config, call, axes, whole, gather_in_loop, accumulators, lambda i, acc: acc)
   with jax.named_scope("fxaccum_reduce"):
-    local_weight = weight
-    total, weight = sync.reduce(total, axes), sync.reduce(weight, axes)
-    value = safe_divide(total, weight).astype(total_dtype)
-    aux = jax.tree.map(
-        lambda acc: _aux_finish(acc, weight, axes), aux_acc, is_leaf=_is_weighted
-    )
     if not config.reduce:  # deferred: each device's sums, one slot per device
       return (value, aux), ([acc[None] for acc in grad_acc],
                             local_weight.astype(jnp.float32)[None])
     grads = []
-    for acc, leaf, dims, loop_dims in zip(grad_acc, diff_leaves, layout.param_dims,
+    for acc, leaf, dims, loop_dims in zip(grad_acc, call.diff_leaves, layout.param_dims,
                                           gather_in_loop, strict=True):
       # In-loop gathers already reduce-scattered over their axes each micro-batch.
       scattered = {a for _, dim_axes in loop_dims for a in dim_axes}
@@ -439,6 +576,143 @@ def _accumulate(config, layout, diff_leaves, diff_def, rest, kwargs):
       reduced = sync.reduce(acc, remaining, () if loop_dims else dims)
       grads.append(safe_divide(reduced, weight).astype(jnp.result_type(leaf)))
   return (value, aux), grads
+
+
+def _global(config: _Config, layout: sync.Layout, path: _view.Path,
+            reducible: frozenset[int], call: _Call):
+  """Global view: the loss on the global micro-batch; leaves in ``reducible`` are typed
+  ``reduced`` over the data axes (Explicit meshes) so their gradients stay unreduced
+  through the loop and are reduced once after it."""
+  if reducible:
+    try:
+      return _global_loop(config, layout, path, reducible, call)
+    except Exception as err:  # noqa: BLE001 - an op without reduced/unreduced rules
+      path = dataclasses.replace(
+          path, reason=f"{path.reason}; params not kept reduced ({_first_line(err)})")
+  return _global_loop(config, layout, path, frozenset(), call)
+
+
+def _global_loop(config: _Config, layout: sync.Layout, path: _view.Path,
+                 reducible: frozenset[int], call: _Call):
+  axes = layout.data_axes
+  specs = [_spec_of(leaf, hint) for leaf, hint in zip(
+      call.diff_leaves, layout.param_specs or [None] * len(call.diff_leaves), strict=True)]
+  reduced = [frozenset(a for a in axes if a not in _named(spec)) if i in reducible
+             else frozenset() for i, spec in enumerate(specs)]
+  whole = [jax.sharding.reshard(leaf, P(*spec, reduced=r)) if r else leaf
+           for leaf, spec, r in zip(call.diff_leaves, specs, reduced, strict=True)]
+  hints = layout.param_specs or (None,) * len(whole)
+
+  def constrain(i: int, x: jax.Array) -> jax.Array:
+    # Auto meshes: keep accumulators and gradients sharded like the params (FSDP).
+    if reduced[i] or hints[i] is None or layout.mesh is None or _explicit(layout.mesh, axes):
+      return x
+    return lax.with_sharding_constraint(x, NamedSharding(layout.mesh, hints[i]))
+
+  accumulators = [
+      jnp.zeros(jnp.shape(leaf), config.accum_dtype, out_sharding=P(*spec, unreduced=r))
+      if r else constrain(i, jnp.zeros_like(leaf, config.accum_dtype))
+      for i, (leaf, spec, r) in enumerate(zip(call.diff_leaves, specs, reduced, strict=True))]
+  path = dataclasses.replace(path, reduced_leaves=sum(map(bool, reduced)), leaves=len(whole))
+  with jax.named_scope(_view.record(path)):
+    (value, aux), grad_acc, weight, _ = _loop(config, call, (), whole,
+                                              [()] * len(whole), accumulators, constrain)
+    with jax.named_scope("fxaccum_reduce"):
+      sums = [jax.sharding.reshard(acc, P(*spec)) if r else acc
+              for acc, spec, r in zip(grad_acc, specs, reduced, strict=True)]
+  if not config.reduce:
+    return (value, aux), _as_unreduced(config, layout, call, sums, weight)
+  grads = [constrain(i, safe_divide(s, weight).astype(jnp.result_type(leaf)))
+           for i, (s, leaf) in enumerate(zip(sums, call.diff_leaves, strict=True))]
+  return (value, aux), jax.tree.unflatten(call.diff_def, grads)
+
+
+def _spec_of(leaf: Any, hint: P | None) -> tuple[Any, ...]:
+  """The leaf's PartitionSpec entries, one per dimension (typed, else the hint)."""
+  ndim = len(jnp.shape(leaf))
+  spec = sync.known_spec(leaf)
+  if all(e is None for e in spec) and hint is not None:
+    spec = tuple(hint) + (None,) * (ndim - len(hint))
+  return tuple(spec)
+
+
+def _named(spec: Sequence[Any]) -> set[str]:
+  return {a for entry in spec for a in sync.spec_axes(entry)}
+
+
+def _as_unreduced(config: _Config, layout: sync.Layout, call: _Call, sums, weight):
+  """Global-view sums in the per-device form ``reduce=False`` returns: the whole sum in
+  the first device's slot, zeros in the others (exact; the reduction already ran)."""
+  axes = layout.data_axes
+  if not axes:
+    return sync.Unreduced(_unflatten_grads(config, call, [s[None] for s in sums]),
+                          weight.astype(jnp.float32)[None])
+
+  def first_device_slot(x):  # x is replicated over the data axes: no communication
+    return jnp.where(lax.axis_index(axes) == 0, x, jnp.zeros_like(x))[None]
+
+  slots = jax.shard_map(
+      lambda tree: jax.tree.map(first_device_slot, tree), mesh=layout.mesh,
+      in_specs=P(), out_specs=P(axes), axis_names=set(axes))
+  sums, weight = slots((sums, weight.astype(jnp.float32)))
+  return sync.Unreduced(_unflatten_grads(config, call, sums), weight)
+
+
+# ---------------------------------------------------------------------------------------
+# The micro-batch loop, shared by both views
+
+
+def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
+          gather_dims: Sequence[sync.DataDims], accumulators: list[Any],
+          constrain: Callable[[int, jax.Array], jax.Array]):
+  """Sums over the micro-batches of gradients (into ``accumulators``), loss totals,
+  weights and aux; ``axes`` are the manual axes to reduce the scalars over afterwards.
+
+  Returns ``((value, aux), grad_sums, weight, local_weight)``.
+  """
+  k = config.micro_batches
+  batch = call.batch(config)
+
+  def micro_loss(leaves, index):
+    full = [sync.gather(leaf, dims) for leaf, dims in zip(leaves, gather_dims, strict=True)]
+    micro = split.micro_batch(batch, index, k)
+    total, weight, aux = call.loss(config, full, micro, index)
+    return total, (weight, aux)
+
+  # Shapes of one micro-step's outputs, to build the loop carry.
+  total_shape, (weight_shape, aux_template) = jax.eval_shape(micro_loss, whole, 0)
+
+  def zeros(x, dtype=None):
+    return sync.vary(jnp.zeros(x.shape, dtype or x.dtype), axes)
+
+  init = (
+      accumulators,
+      zeros(jax.ShapeDtypeStruct((), jnp.promote_types(total_shape.dtype, jnp.float32))),
+      zeros(weight_shape),
+      jax.tree.map(lambda a: _aux_zeros(a, zeros), aux_template, is_leaf=_is_weighted),
+  )
+
+  def body(carry, index):
+    grad_acc, total_acc, weight_acc, aux_acc = carry
+    (total, (weight, aux)), grads = jax.value_and_grad(micro_loss, has_aux=True)(whole, index)
+    grad_acc = [constrain(i, acc + g.astype(acc.dtype))
+                for i, (acc, g) in enumerate(zip(grad_acc, grads, strict=True))]
+    aux_acc = jax.tree.map(
+        lambda acc, a: _aux_add(acc, a, weight), aux_acc, aux, is_leaf=_is_weighted
+    )
+    carry = (grad_acc, total_acc + total.astype(total_acc.dtype), weight_acc + weight, aux_acc)
+    return sync.vary(carry, axes), None
+
+  (grad_acc, total, weight, aux_acc), _ = lax.scan(body, init, jnp.arange(k))
+
+  with jax.named_scope("fxaccum_reduce"):
+    local_weight = weight
+    total, weight = sync.reduce(total, axes), sync.reduce(weight, axes)
+    value = safe_divide(total, weight).astype(total_shape.dtype)
+    aux = jax.tree.map(
+        lambda acc: _aux_finish(acc, weight, axes), aux_acc, is_leaf=_is_weighted
+    )
+  return (value, aux), grad_acc, weight, local_weight
 
 
 def _aux_zeros(template, zeros):

@@ -1,12 +1,12 @@
 """Which mesh axes are data axes, local accumulation, and the single reduction.
 
-fxaccum accumulates gradients *per device* inside a ``jax.shard_map`` that is manual over
-the data axes only (every other mesh axis, e.g. a tensor- or sequence-parallel one, stays
-under the compiler's control). Inside, replicated params are cast to "varying" so that
-``jax.grad`` yields the local partial gradient instead of inserting an all-reduce per
-micro-batch, and the one data-axis reduction is issued explicitly after the loop. XLA:CPU
-never hoists an all-reduce out of a loop, so relying on the compiler is not an option
-(DESIGN.md §3).
+In its per-device view (:mod:`fxaccum._view`), fxaccum accumulates gradients inside a
+``jax.shard_map`` that is manual over the data axes only (every other mesh axis, e.g. a
+tensor- or sequence-parallel one, stays under the compiler's control). Inside, replicated
+params are cast to "varying" so that ``jax.grad`` yields the local partial gradient
+instead of inserting an all-reduce per micro-batch, and the one data-axis reduction is
+issued explicitly after the loop. XLA:CPU never hoists an all-reduce out of a loop, so
+relying on the compiler is not an option (DESIGN.md §3).
 
 Layout detection (``data_axes=None``):
 
@@ -19,9 +19,9 @@ Layout detection (``data_axes=None``):
   ``replica``, ``data``, ``batch``, ``dp`` and ``fsdp`` present in the mesh are taken.
   Pass ``data_axes=`` to override.
 * A differentiated leaf is *FSDP-sharded* if its sharding names a data axis (read the same
-  way); inside ``jax.jit`` on an ``Auto`` mesh that is not visible, and such leaves are
-  treated as replicated over the data axes (gathered once per step). Use an ``Explicit``
-  mesh (``jax.make_mesh``'s default) for the memory-optimal FSDP path under ``jit``.
+  way); inside ``jax.jit`` on an ``Auto`` mesh that is not visible, and the caller's hints
+  (``param_shardings=``, flax NNX sharding metadata: :func:`param_hints`) are used; without
+  them such leaves are treated as replicated over the data axes (gathered once per step).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from flax import nnx
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -58,11 +59,17 @@ class Layout:
       data-parallel reduction is fxaccum's to place (single device, or no data axes).
     param_dims: for each differentiated leaf (flattened), its dimensions sharded over
       data axes; ``()`` for a leaf replicated over the data axes.
+    param_specs: for each differentiated leaf, its full PartitionSpec where JAX does not
+      show it but the caller did (``param_shardings=``, NNX metadata); else None.
+    device_blocker: why no region manual over the data axes can hold the params (a
+      dimension sharded over data and other axes together), or None.
   """
 
   mesh: Any
   data_axes: tuple[str, ...]
   param_dims: tuple[DataDims, ...]
+  param_specs: tuple[P | None, ...] = ()
+  device_blocker: str | None = None
 
   @property
   def data_devices(self) -> int:
@@ -181,8 +188,14 @@ def plan(
     batch_leaves: Sequence[Any],
     other_leaves: Sequence[Any],
     data_axes: tuple[str, ...] | None,
+    hints: Sequence[P | None] = (),
 ) -> Layout:
-  """Works out the :class:`Layout` of a call; see the module docstring for the rules."""
+  """Works out the :class:`Layout` of a call; see the module docstring for the rules.
+
+  ``hints`` give, per differentiated leaf, a PartitionSpec to use where the leaf's own
+  sharding is not visible (``Auto`` mesh axes inside ``jax.jit``).
+  """
+  hints = tuple(hints) or (None,) * len(diff_leaves)
   mesh = find_mesh([*batch_leaves, *diff_leaves, *other_leaves])
   if mesh is None:
     if data_axes:
@@ -190,7 +203,7 @@ def plan(
           f"data_axes={data_axes} was given but no mesh was found: call inside "
           "`with jax.set_mesh(mesh):` or pass arrays placed with a NamedSharding."
       )
-    return Layout(None, (), tuple(() for _ in diff_leaves))
+    return Layout(None, (), tuple(() for _ in diff_leaves), hints)
 
   manual = _manual_axes(mesh)
   if data_axes is not None:
@@ -211,8 +224,42 @@ def plan(
   else:
     axes = _infer_data_axes(mesh, batch_leaves, manual)
 
-  param_dims = tuple(_data_dims(leaf, axes) for leaf in diff_leaves)
-  return Layout(mesh if axes else None, axes, param_dims)
+  dims_and_problems = [_data_dims(leaf, axes, hint)
+                       for leaf, hint in zip(diff_leaves, hints, strict=True)]
+  blocker = next((problem for _, problem in dims_and_problems if problem), None)
+  param_dims = tuple(dims for dims, _ in dims_and_problems)
+  return Layout(mesh if axes else None, axes, param_dims, hints, blocker)
+
+
+def param_hints(diff: Sequence[Any], param_shardings: Sequence[Any] | None) -> tuple[
+    P | None, ...]:
+  """Per flattened differentiated leaf: the PartitionSpec the caller gave for it.
+
+  From ``param_shardings`` (one tree, or tree prefix, of PartitionSpec / NamedSharding /
+  None per differentiated argument) or else from flax NNX ``Variable`` sharding metadata
+  (``out_sharding``, with the active logical axis rules applied); None where neither says.
+  """
+  if param_shardings is not None:
+    try:
+      full = jax.tree.broadcast(tuple(param_shardings), tuple(diff), is_leaf=_is_spec)
+    except (ValueError, TypeError) as err:
+      raise ValueError(
+          "param_shardings must have the structure of the differentiated argument(s) (a "
+          "tuple of them for a tuple argnums), or be a prefix of it, with PartitionSpec, "
+          f"NamedSharding or None leaves: {err}") from None
+    specs = jax.tree.leaves(full, is_leaf=lambda x: x is None or _is_spec(x))
+    return tuple(s.spec if isinstance(s, NamedSharding) else s for s in specs)
+  hints: list[P | None] = []
+  for node in jax.tree.leaves(tuple(diff), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    spec = None
+    if isinstance(node, nnx.Variable) and node.get_metadata().get("out_sharding"):
+      spec = nnx.get_partition_spec(node).get_value()
+    hints.extend([spec] * len(jax.tree.leaves(node)))
+  return tuple(hints)
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, (P, NamedSharding))
 
 
 def _infer_data_axes(mesh: Any, batch_leaves: Sequence[Any], manual: set[str]) -> tuple[str, ...]:
@@ -233,26 +280,31 @@ def _infer_data_axes(mesh: Any, batch_leaves: Sequence[Any], manual: set[str]) -
   return tuple(a for a in mesh.axis_names if a in found)
 
 
-def _data_dims(leaf: Any, data_axes: tuple[str, ...]) -> DataDims:
+def _data_dims(leaf: Any, data_axes: tuple[str, ...],
+               hint: P | None = None) -> tuple[DataDims, str | None]:
+  """The leaf's data-sharded dimensions, and why it cannot enter a data-manual region."""
   if not data_axes:
-    return ()
-  sharding, _ = _named_sharding(leaf)
-  if sharding is None:
-    return ()
+    return (), None
+  sharding, concrete = _named_sharding(leaf)
+  if sharding is not None and set(data_axes) <= _known_axes(sharding, concrete):
+    spec = sharding.spec
+  elif hint is not None:
+    spec = hint
+  elif sharding is not None:
+    spec = sharding.spec
+  else:
+    return (), None
   dims = []
-  for dim, entry in enumerate(sharding.spec):
+  for dim, entry in enumerate(spec):
     axes = spec_axes(entry)
     on_data = tuple(a for a in axes if a in data_axes)
     if on_data and len(on_data) != len(axes):
-      raise ValueError(
-          f"A differentiated leaf of shape {jax.typeof(leaf).shape} is sharded over "
-          f"{axes} on dimension {dim}, mixing data axes {on_data} with other axes; fxaccum "
-          "needs each dimension sharded over data axes only or over none. Reorder the "
-          "sharding so data and model axes shard different dimensions."
-      )
+      return (), (
+          f"a differentiated leaf of shape {jax.typeof(leaf).shape} is sharded over {axes} on "
+          f"dimension {dim}, mixing data axes {on_data} with other axes")
     if on_data:
       dims.append((dim, on_data))
-  return tuple(dims)
+  return tuple(dims), None
 
 
 def conform(x: Any, spec: P, data_axes: tuple[str, ...]) -> Any:

@@ -48,7 +48,12 @@ class LinenBlock(nn.Module):
     return nn.Dense(VOCAB)(x + nn.Dense(WIDTH)(h))
 
 
-def test_linen_model_with_per_example_dropout_keys_and_aux():
+@pytest.mark.parametrize("plain_aux", [False, True])
+def test_linen_model_with_per_example_dropout_keys_and_aux(plain_aux):
+  """Per-example dropout keys keep the loss per-example: with Weighted aux only it runs per
+  device (an Explicit mesh, where flax's Embed needs the per-device view). A plain aux leaf
+  that depends on the batch is averaged over the global micro-batches with the loss's
+  weights, so that step takes the global view (an Auto mesh)."""
   model = LinenBlock()
   batch = lm_batch()
   params = model.init(jax.random.key(0), batch["inputs"], deterministic=True)
@@ -59,25 +64,30 @@ def test_linen_model_with_per_example_dropout_keys_and_aux():
     def one(tokens, key):
       return model.apply(params, tokens[None], deterministic=False, rngs={"dropout": key})[0]
     logits = jax.vmap(one)(batch["inputs"], batch["dropout_key"])
-    return token_metrics(logits, batch)
+    loss, aux = token_metrics(logits, batch)
+    return loss, aux if plain_aux else {"accuracy": aux["accuracy"]}
 
-  def reference(params, batch):  # DESIGN.md §4 token-mean on the whole batch
+  def reference(params, batch):  # the token mean on the whole batch
     loss, aux = loss_fn(params, batch)
     return loss.value(), aux
 
   (ref_loss, ref_aux), ref_grads = jax.value_and_grad(reference, has_aux=True)(params, batch)
-  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  axis_type = AxisType.Auto if plain_aux else AxisType.Explicit
+  mesh = mesh_of((8,), ("data",), axis_type)
   sharded = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), batch)
   with jax.set_mesh(mesh):
-    (loss, aux), grads = jax.jit(fxaccum.value_and_grad(loss_fn, has_aux=True, micro_batches=2))(
-        params, sharded)
+    step = jax.jit(fxaccum.value_and_grad(loss_fn, has_aux=True, micro_batches=2))
+    (loss, aux), grads = step(params, sharded)
+    (path,) = diagnostics.paths(step, params, sharded)
+  assert path.view == ("global" if plain_aux else "device"), path
   assert_tree_close((loss, grads), (ref_loss, ref_grads))
   np.testing.assert_allclose(aux["accuracy"], ref_aux["accuracy"].value(), rtol=1e-6)
-  # A plain aux is averaged over the 16 micro-batches (8 devices x 2, one example each)
-  # with the loss's weights, here each micro-batch's token count t: sum(t * t) / sum(t).
-  tokens = batch["mask"].sum(axis=1)
-  np.testing.assert_allclose(aux["tokens_per_micro_batch"],
-                             np.sum(tokens * tokens) / np.sum(tokens), rtol=1e-6)
+  if plain_aux:
+    # Averaged over the 2 global micro-batches (rows i::2) with the loss's weights, each
+    # micro-batch's token count t: sum(t * t) / sum(t).
+    tokens = np.array([batch["mask"][i::2].sum() for i in range(2)])
+    np.testing.assert_allclose(aux["tokens_per_micro_batch"],
+                               np.sum(tokens * tokens) / np.sum(tokens), rtol=1e-6)
 
 
 class NNXBlock(nnx.Module):

@@ -1,0 +1,145 @@
+"""Which view runs the loss: per device (the fast path) or on the global micro-batch.
+
+* ``"device"``: the loss runs on each device's rows inside a region manual over the data
+  axes; gradients are summed locally and reduced once after the micro-batch loop. Exact
+  only for losses that are sums or means of per-example terms.
+* ``"global"``: the loss runs on the global micro-batch, as ``jax.value_and_grad`` runs
+  it; exact for every loss. The compiler places the data-axis reductions (once per
+  micro-batch on ``Auto`` meshes); on ``Explicit`` meshes params used only in matmuls
+  against batch rows are typed ``reduced`` so their gradients are reduced once per step.
+
+``view="auto"`` (the default) takes the device view only when :mod:`fxaccum._analysis`
+proves it gives the global result, from the loss traced at two micro-batch sizes (a
+division by the number of examples and by a constant that happens to equal it look alike
+at one size). Every traced call records its :class:`Path`, named in the compiled program,
+so :func:`fxaccum.diagnostics.report` can say which view ran and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from collections.abc import Sequence
+from typing import Literal
+
+from fxaccum import _analysis
+
+__all__ = ["Path", "View", "classify", "record", "recorded"]
+
+View = Literal["auto", "global", "device"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Path:
+  """How one traced ``fxaccum.value_and_grad`` call runs its loss.
+
+  Attributes:
+    view: ``"device"`` (per-device loss, one reduction after the loop) or ``"global"``
+      (the loss on the global micro-batch).
+    reason: why this view was taken, e.g. the first operation found to mix examples.
+    data_axes: the data-parallel mesh axes of the batch.
+    reduced_leaves: in the global view, how many differentiated leaves were kept
+      ``reduced`` through the loop (their gradients reduced once, after it).
+    leaves: how many leaves were differentiated.
+
+  Example:
+    >>> from fxaccum.diagnostics import Path
+    >>> p = Path("global", "a matmul pairs different examples", ("data",), 2, 3)
+    >>> print(p)
+    global view over ('data',): a matmul pairs different examples (2 of 3 leaves reduced once)
+  """
+
+  view: Literal["device", "global"]
+  reason: str
+  data_axes: tuple[str, ...]
+  reduced_leaves: int = 0
+  leaves: int = 0
+
+  def __str__(self) -> str:
+    extra = (f" ({self.reduced_leaves} of {self.leaves} leaves reduced once)"
+             if self.view == "global" and self.data_axes else "")
+    return f"{self.view} view over {self.data_axes}: {self.reason}{extra}"
+
+
+_PATHS: dict[int, Path] = {}
+_IDS = itertools.count()
+_SCOPE = re.compile(r"fxaccum_path_(\d+)")
+
+
+def record(path: Path) -> str:
+  """Registers ``path``; returns the ``jax.named_scope`` name that marks it in HLO."""
+  index = next(_IDS)
+  _PATHS[index] = path
+  return f"fxaccum_path_{index}"
+
+
+def recorded(hlo_text: str) -> list[Path]:
+  """The paths of the fxaccum calls compiled into ``hlo_text``, in first-seen order."""
+  ids = dict.fromkeys(int(i) for i in _SCOPE.findall(hlo_text))
+  return [_PATHS[i] for i in ids if i in _PATHS]
+
+
+Role = Literal["total", "weight", "aux", "aux_total", "aux_weight"]
+
+
+def _lam(kind: _analysis.Kind) -> float | None:
+  """``e`` such that per-device results add up to ``D ** e`` times the global one.
+
+  A sum over examples times ``n ** p`` gives ``e = -p`` (a sum: 0, a mean: 1); a
+  batch-independent ``c * n ** r`` is counted once per device: ``e = 1 - r``. None for a
+  value that mixes examples or keeps the batch axis.
+  """
+  if isinstance(kind, _analysis.Const):
+    return None if kind.exp is None else 1 - kind.exp
+  if isinstance(kind, _analysis.Stat) and kind.mixed is None and kind.exp is not None:
+    return -kind.exp
+  return None
+
+
+def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role]) -> tuple[
+    str | None, str]:
+  """Whether per-device results combine into the global ones.
+
+  Per device, fxaccum adds up the totals and the weights (a scalar loss has weight 1)
+  and divides once. That is the global ratio when total and weight scale alike from the
+  devices to the whole (both sums over examples, or both means); a plain aux leaf, averaged
+  with the devices' weights, must be batch-independent, or a mean while the weight is a
+  constant.
+
+  Returns:
+    ``(problem, what)``: why the device view would differ (None if it would not), and
+    what the loss is (``"sum"`` or ``"mean"`` of per-example terms) when it would not.
+  """
+  lams = [_lam(k) for k in outputs]
+  for kind, role, lam in zip(outputs, roles, lams, strict=True):
+    if lam is None:
+      return _mixed_reason(kind, role), ""
+  pairs = [(i, i + 1) for i, role in enumerate(roles) if role in ("total", "aux_total")]
+  for a, b in pairs:
+    if lams[a] != lams[b]:
+      what = "loss" if roles[a] == "total" else "Weighted aux leaf"
+      return (f"the {what}'s total and weight scale differently with the number of examples "
+              f"(e.g. a sum over examples divided by a constant count), so per-device "
+              f"results would not add up to the global ratio"), ""
+  weight = outputs[roles.index("weight")]
+  weight_constant = isinstance(weight, _analysis.Const) and weight.exp == 0
+  for kind, role, lam in zip(outputs, roles, lams, strict=True):
+    if role == "aux" and not (isinstance(kind, _analysis.Const) and kind.exp == 0) and not (
+        lam == 1 and weight_constant):
+      return ("a plain aux leaf depends on the batch while the loss is weighted: per-device "
+              "values averaged with the devices' weights differ from the global value; "
+              "return it as fxaccum.Weighted"), ""
+  return None, "sum" if lams[0] == 0 else "mean" if lams[0] == 1 else "ratio"
+
+
+def _mixed_reason(kind: _analysis.Kind, role: Role) -> str:
+  what = {"total": "the loss", "weight": "the loss's weight", "aux": "an aux leaf",
+          "aux_total": "a Weighted aux leaf", "aux_weight": "a Weighted aux leaf's weight"}[role]
+  reason = _analysis.mixing(kind)
+  if isinstance(kind, _analysis.Rows) and reason is None:  # e.g. per-example outputs
+    return f"{what} keeps the batch axis, so it is no sum or mean over examples"
+  if reason is None:
+    return (f"{what} depends on the micro-batch size other than as a sum or mean over its "
+            "examples")
+  return f"{what} mixes examples: {reason}"

@@ -1,0 +1,526 @@
+"""Exact for every loss and every model as written: the global view where the loss mixes
+examples or cannot run per device, the per-device fast path only where it is the same.
+
+References are independent of fxaccum: ``jax.value_and_grad`` on the whole batch (k=1) and
+the mean of ``jax.value_and_grad`` over the global micro-batches (rows ``i::k``).
+"""
+
+import flax.linen as nn
+import gemma_style
+import jax
+import jax.numpy as jnp
+import lm1b_style
+import numpy as np
+import optax
+import pytest
+import ulysses
+from flax import nnx
+from helpers import (
+    AXIS_TYPES,
+    assert_tree_close,
+    example_mean_loss,
+    make_data,
+    make_params,
+    mesh_of,
+    put,
+    reference_token_mean,
+    weighted_loss,
+)
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fxaccum
+from fxaccum import diagnostics
+
+KS = (1, 2, 4)
+ROWS, DIM, WIDTH = 64, 8, 16
+MESHES = {"dp8": ((8,), ("data",)), "data_x_model": ((4, 2), ("data", "model"))}
+
+
+def global_micro_batch_reference(loss, params, batch, k):
+  """The contract: the mean of jax.value_and_grad over the k global micro-batches."""
+  results = [jax.value_and_grad(loss)(params, jax.tree.map(lambda a, i=i: a[i::k], batch))
+             for i in range(k)]
+  return jax.tree.map(lambda *xs: sum(xs) / k, *results)
+
+
+def rows_of_all_devices(z):
+  """Every example's embedding on every device, as contrastive code on an Explicit mesh
+  spells it (an Auto mesh lets the compiler gather)."""
+  mesh = jax.typeof(z).sharding.mesh
+  if any(t == AxisType.Explicit for t in mesh.axis_types):
+    return jax.sharding.reshard(z, P())
+  return z
+
+
+def centred_setup():
+  """Each example minus the batch mean: the issue's first example, as a matmul."""
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(DIM, WIDTH)).astype(np.float32)}
+  batch = {"x": rng.normal(size=(ROWS, DIM)).astype(np.float32)}
+
+  def loss(params, batch):
+    h = batch["x"] @ params["w"]
+    return jnp.mean((h - jnp.mean(h, axis=0)) ** 2)
+
+  return loss, params, batch, {"w": P(None, "model")}
+
+
+class BatchNormMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(WIDTH, use_bias=False)(x)  # BatchNorm cancels a bias (as in ResNets)
+    x = nn.relu(nn.BatchNorm(use_running_average=False)(x))
+    return nn.Dense(1)(x)[..., 0]
+
+
+def batchnorm_setup():
+  """A linen model with BatchNorm in train mode (batch statistics of the micro-batch)."""
+  model = BatchNormMLP()
+  rng = np.random.default_rng(1)
+  batch = {"x": rng.normal(size=(ROWS, DIM)).astype(np.float32),
+           "y": rng.normal(size=(ROWS,)).astype(np.float32)}
+  variables = model.init(jax.random.key(0), batch["x"])
+  stats = variables["batch_stats"]
+
+  def loss(params, batch):
+    out, _ = model.apply({"params": params, "batch_stats": stats}, batch["x"],
+                         mutable=["batch_stats"])
+    return jnp.mean((out - batch["y"]) ** 2)
+
+  return loss, variables["params"], batch, {}
+
+
+def contrastive_setup():
+  """In-batch negatives: every example's positive against all others as negatives."""
+  rng = np.random.default_rng(2)
+  params = {"w": (rng.normal(size=(DIM, WIDTH)) / np.sqrt(DIM)).astype(np.float32)}
+  anchors = rng.normal(size=(ROWS, DIM)).astype(np.float32)
+  batch = {"a": anchors,
+           "b": (anchors + 0.5 * rng.normal(size=(ROWS, DIM))).astype(np.float32)}
+
+  def loss(params, batch):
+    def embed(x):
+      z = x @ params["w"]
+      return z / jnp.linalg.norm(z, axis=-1, keepdims=True)
+
+    logits = embed(batch["a"]) @ rows_of_all_devices(embed(batch["b"])).T / 0.1
+    labels = jnp.arange(logits.shape[0])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  return loss, params, batch, {}
+
+
+MIXING = {"centred": centred_setup, "batchnorm": batchnorm_setup,
+          "contrastive": contrastive_setup}
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("name", MIXING)
+def test_losses_that_mix_examples_are_exact(name, mesh_name, axis_type):
+  loss, params, batch, model_specs = MIXING[name]()
+  shape, names = MESHES[mesh_name]
+  specs = model_specs if "model" in names else {}
+  mesh = mesh_of(shape, names, axis_type)
+  fns = {k: fxaccum.value_and_grad(loss, micro_batches=k) for k in KS}
+  step = jax.jit(lambda p, b: {k: f(p, b) for k, f in fns.items()})
+  with jax.set_mesh(mesh):
+    args = (put(params, mesh, specs) if specs else params,
+            jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), batch))
+    got = step(*args)
+    views = diagnostics.paths(step, *args)
+  for k in KS:
+    assert_tree_close(got[k], global_micro_batch_reference(loss, params, batch, k))
+  assert [p.view for p in views] == ["global"] * len(KS)
+  assert all("mixes examples" in p.reason for p in views), views
+
+
+@pytest.mark.parametrize("name", MIXING)
+def test_per_device_view_of_a_mixing_loss_differs(name):
+  """Negative control: forced per device (DDP without SyncBatchNorm), these losses give
+  another result, so the exactness test above can tell the views apart."""
+  loss, params, batch, _ = MIXING[name]()
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  with jax.set_mesh(mesh):
+    sharded = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), batch)
+    value, _ = jax.jit(fxaccum.value_and_grad(loss, micro_batches=1, view="device"))(
+        params, sharded)
+  ref_value, _ = jax.value_and_grad(loss)(params, batch)
+  assert abs(float(value) - float(ref_value)) > 1e-2 * abs(float(ref_value))
+
+
+class SyncBatchNormMLP(nn.Module):
+  axis_name: str | None = None
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(WIDTH, use_bias=False)(x)
+    x = nn.relu(nn.BatchNorm(use_running_average=False, axis_name=self.axis_name)(x))
+    return nn.Dense(1)(x)[..., 0]
+
+
+def test_device_view_with_synchronized_batch_statistics_is_exact():
+  """The documented way to keep the per-device view for BatchNorm: flax's
+  BatchNorm(axis_name="data") averages the statistics over the devices (the data axes are
+  manual there), which gives the global micro-batch's statistics again."""
+  rng = np.random.default_rng(7)
+  batch = {"x": rng.normal(size=(ROWS, DIM)).astype(np.float32),
+           "y": rng.normal(size=(ROWS,)).astype(np.float32)}
+  variables = SyncBatchNormMLP().init(jax.random.key(0), batch["x"])
+
+  def make_loss(model):
+    def loss(params, batch):
+      out, _ = model.apply({"params": params, "batch_stats": variables["batch_stats"]},
+                           batch["x"], mutable=["batch_stats"])
+      return jnp.mean((out - batch["y"]) ** 2)
+    return loss
+
+  synced, plain = make_loss(SyncBatchNormMLP("data")), make_loss(SyncBatchNormMLP())
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  with jax.set_mesh(mesh):
+    sharded = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), batch)
+    for k in (1, 2):
+      got = jax.jit(fxaccum.value_and_grad(synced, micro_batches=k, view="device"))(
+          variables["params"], sharded)
+      assert_tree_close(got, global_micro_batch_reference(plain, variables["params"], batch,
+                                                          k))
+    # The default view traces the loss on the global micro-batch first, where "data" is
+    # no bound axis: a clear error names the fix.
+    with pytest.raises(ValueError, match="runs only per device: pass view='device'"):
+      jax.jit(fxaccum.value_and_grad(synced, micro_batches=2))(variables["params"], sharded)
+
+
+def test_issue_example_batch_centred_loss():
+  """The issue's reproducer: 0.910 instead of 4.231 per device; now the large batch's."""
+  def loss(w, x):
+    h = x * w
+    return jnp.mean((h - jnp.mean(h, axis=0)) ** 2)
+
+  rng = np.random.default_rng(0)
+  x = (rng.normal(size=(32, 4)) * np.arange(1, 33)[:, None] / 8).astype(np.float32)
+  w = jnp.ones(4)
+  ref = jax.value_and_grad(loss)(w, x)
+  for axis_type in AXIS_TYPES:
+    mesh = mesh_of((8,), ("data",), axis_type)
+    with jax.set_mesh(mesh):
+      got = jax.jit(fxaccum.value_and_grad(loss, micro_batches=1))(
+          w, jax.device_put(x, NamedSharding(mesh, P("data"))))
+    assert_tree_close(got, ref)
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
+def test_per_example_losses_take_the_fast_path(axis_type):
+  """Weighted token sums and example means: per device, no reduction inside the loop."""
+  mesh = mesh_of((8,), ("data",), axis_type)
+  data, params = make_data(k=4), make_params()
+  with jax.set_mesh(mesh):
+    args = (put(params, mesh, {}), put(data, mesh, {k: P("data") for k in data}))
+    for loss in (weighted_loss, example_mean_loss):
+      rep = diagnostics.report(jax.jit(fxaccum.value_and_grad(loss, micro_batches=4)), *args)
+      assert [p.view for p in rep.paths] == ["device"], rep.summary()
+      assert rep.reductions(place="loop") == [], rep.summary()
+
+
+def test_a_constant_equal_to_the_micro_batch_size_is_not_a_mean():
+  """sum / 256 with 256 examples in the micro-batch looks like a mean at that size only; per
+  device it would be 8x too small. The analysis traces two sizes and keeps it global."""
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(512, 4)).astype(np.float32)
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+
+  def total_over_256(w, x):
+    return jnp.sum((x @ w) ** 2) / 256.0
+
+  def mean(w, x):
+    return jnp.mean((x @ w) ** 2)
+
+  w = jnp.ones(4)
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+    views = {f.__name__: diagnostics.paths(jax.jit(fxaccum.value_and_grad(
+        f, micro_batches=2)), w, sharded)[0].view for f in (total_over_256, mean)}
+    got = jax.jit(fxaccum.value_and_grad(total_over_256, micro_batches=2))(w, sharded)
+  assert views == {"total_over_256": "global", "mean": "device"}
+  assert_tree_close(got, global_micro_batch_reference(total_over_256, w, x, 2))
+
+
+def test_dropout_from_one_shared_key_is_global_and_matches_the_sequential_keys():
+  """Random numbers from one key depend on the row's position in the micro-batch: the
+  global view draws them like jax.value_and_grad with fold_in(key, i) per micro-batch."""
+  rng = np.random.default_rng(4)
+  x = rng.normal(size=(64, 8)).astype(np.float32)
+  w = rng.normal(size=(8, 4)).astype(np.float32)
+  key = jax.random.key(5)
+
+  def loss(w, x, key):
+    keep = jax.random.bernoulli(key, 0.7, (x.shape[0], w.shape[1]))
+    return jnp.mean((jnp.where(keep, x @ w, 0.0) / 0.7) ** 2)
+
+  k = 4
+  ref = [jax.value_and_grad(loss)(w, x[i::k], jax.random.fold_in(key, i)) for i in range(k)]
+  ref = jax.tree.map(lambda *xs: sum(xs) / k, *ref)
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  with jax.set_mesh(mesh):
+    f = jax.jit(fxaccum.value_and_grad(loss, micro_batches=k, rng_argnums=2))
+    sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+    got = f(w, sharded, key)
+    (path,) = diagnostics.paths(f, w, sharded, key)
+  assert path.view == "global" and "position in the batch" in path.reason
+  assert_tree_close(got, ref)
+
+
+def test_explicit_global_view_keeps_matmul_params_reduced_across_the_loop():
+  """On an Explicit mesh the global view types matmul params `reduced`: their gradients
+  are reduced once after the loop; an elementwise param (the bias) per micro-batch."""
+  rng = np.random.default_rng(6)
+  params = {"w": rng.normal(size=(DIM, WIDTH)).astype(np.float32),
+            "b": rng.normal(size=(WIDTH,)).astype(np.float32)}
+  x = rng.normal(size=(ROWS, DIM)).astype(np.float32)
+
+  def loss(params, x):
+    h = jnp.tanh(x @ params["w"] + params["b"])
+    return jnp.mean((h - jnp.mean(h, axis=0)) ** 2)
+
+  k = 4
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  with jax.set_mesh(mesh):
+    f = jax.jit(fxaccum.value_and_grad(loss, micro_batches=k))
+    sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+    got = f(params, sharded)
+    rep = diagnostics.report(f, params, sharded)
+  assert_tree_close(got, global_micro_batch_reference(loss, params, x, k))
+  (path,) = rep.paths
+  assert (path.view, path.reduced_leaves, path.leaves) == ("global", 1, 2), path
+  w_bytes = DIM * WIDTH * 4
+  top = rep.reductions(place="top", axes="data")
+  assert any(c.bytes == w_bytes for c in top), rep.summary()
+  loop = rep.reductions(place="loop", axes="data")
+  assert loop and max(c.bytes for c in loop) < w_bytes, rep.summary()
+
+
+def test_global_view_with_deferred_sync_is_exact():
+  """reduce=False on a loss that mixes examples: the per-device form holds the global sum
+  (already reduced) and cross-step accumulate gives the large-batch step."""
+  loss, params, batch, _ = centred_setup()
+  k = 2
+  tx = optax.chain(fxaccum.accumulate(2, data_axes="data"), optax.sgd(0.1))
+  ref_tx = optax.sgd(0.1)
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  halves = [jax.tree.map(lambda a, i=i: a[i * 32:(i + 1) * 32], batch) for i in range(2)]
+  grad_fn = fxaccum.value_and_grad(loss, micro_batches=k, reduce=False)
+
+  @jax.jit
+  def step(state, batch):
+    _, grads = grad_fn(state.params, batch)
+    return state.apply_gradients(grads=grads)
+
+  with jax.set_mesh(mesh):
+    state = fxaccum.TrainState.create(apply_fn=None, params=put(params, mesh, {}), tx=tx)
+    for half in halves:
+      state = step(state, jax.tree.map(
+          lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), half))
+      jax.block_until_ready(state)
+  # Reference: each call's gradient is the mean over its 2 global micro-batches; the
+  # window's gradient is the mean of the 2 calls (equal weights).
+  grads = [global_micro_batch_reference(loss, params, half, k)[1] for half in halves]
+  mean = jax.tree.map(lambda a, b: (a + b) / 2, *grads)
+  want = optax.apply_updates(params, ref_tx.update(mean, ref_tx.init(params), params)[0])
+  assert_tree_close(state.params, want)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (8,)], ids=["data2_fsdp4", "fsdp8"])
+def test_lm1b_style_fsdp_under_jit_on_an_auto_mesh(mesh_shape):
+  """lm1b's structure: logical axis rules, activation constraints, jit with in/out
+  shardings and donation. Exact; gradients sharded like the params (per-device gradient
+  bytes == param bytes); temp memory falls with k."""
+  names = ("data", "fsdp") if len(mesh_shape) == 2 else ("fsdp",)
+  mesh = mesh_of(mesh_shape, names, AxisType.Auto)
+  rules = lm1b_style.rules_for(mesh)
+  model, ref_params, _ = lm1b_style.init()
+  batch = lm1b_style.make_batch(batch=32, k=4)
+  with jax.default_matmul_precision("highest"):
+    ref = jax.value_and_grad(lambda p, b: lm1b_style.reference_loss(model, p, b))(
+        ref_params, batch)
+
+  def loss(params, batch):
+    return fxaccum.Weighted(*lm1b_style.token_sums(model, params, batch))
+
+  temps = {}
+  for k in (1, 4):
+    _, params, param_shardings = lm1b_style.init(mesh, rules)
+    step = jax.jit(
+        fxaccum.value_and_grad(loss, micro_batches=k, param_shardings=param_shardings),
+        in_shardings=(param_shardings, lm1b_style.batch_sharding(mesh, rules)),
+        donate_argnums=0)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules), \
+        jax.default_matmul_precision("highest"):
+      compiled = step.lower(params, batch).compile()
+      value, grads = compiled(params, batch)
+    temps[k] = compiled.memory_analysis().temp_size_in_bytes
+    assert_tree_close((value, grads), ref)
+    for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(param_shardings), strict=True):
+      assert g.sharding.is_equivalent_to(s, g.ndim), (g.sharding, s)
+    grad_bytes = sum(g.addressable_shards[0].data.nbytes for g in jax.tree.leaves(grads))
+    param_bytes = sum(int(np.prod(s.shard_shape(g.shape))) * 4 for g, s in zip(
+        jax.tree.leaves(grads), jax.tree.leaves(param_shardings), strict=True))
+    assert grad_bytes == param_bytes
+  assert temps[4] < temps[1], temps
+
+
+@pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)], ids=["fsdp8", "data2_fsdp4"])
+def test_gemma_style_nnx_model_on_an_explicit_mesh(mesh_shape):
+  """FSDP param annotations and activation out_shardings naming the data axes: runs
+  unmodified (global view) and is exact."""
+  names = ("fsdp",) if len(mesh_shape) == 1 else ("data", "fsdp")
+  mesh = mesh_of(mesh_shape, names, AxisType.Explicit)
+  batch = gemma_style.make_batch(batch=32)
+  one = gemma_style.one_device_mesh(names)
+  graphdef, ref_params, ref_rest = gemma_style.create(one)
+  with jax.set_mesh(one), jax.default_matmul_precision("highest"):
+    ref = jax.jit(jax.value_and_grad(
+        lambda p, b: gemma_style.reference_loss(graphdef, p, ref_rest, b)))(
+            ref_params, gemma_style.put_batch(batch, one))
+  graphdef, params, rest = gemma_style.create(mesh)
+
+  def loss(params, batch):
+    return fxaccum.Weighted(*gemma_style.token_sums(graphdef, params, rest, batch))
+
+  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+    got = jax.jit(fxaccum.value_and_grad(loss, micro_batches=4))(
+        params, gemma_style.put_batch(batch, mesh))
+  assert_tree_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, ref))
+  for g, p in zip(jax.tree.leaves(got[1]), jax.tree.leaves(params), strict=True):
+    assert jax.typeof(g).sharding.spec == jax.typeof(p).sharding.spec
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)], ids=["data2_seq4", "data4_seq2"])
+def test_loss_with_its_own_shard_map_ulysses(mesh_shape, axis_type):
+  """A loss whose attention is its own shard_map over `seq` (all-to-all): exact."""
+  mesh = mesh_of(mesh_shape, ("data", "seq"), axis_type)
+  params, batch = ulysses.make_params(), ulysses.make_batch()
+  total, count = ulysses.token_sums_plain(params, batch)
+  with jax.default_matmul_precision("highest"):
+    ref = jax.value_and_grad(lambda p: (lambda t, c: t / c)(
+        *ulysses.token_sums_plain(p, batch)))(params)
+
+  def loss(params, batch):
+    return fxaccum.Weighted(*ulysses.token_sums(params, batch, custom_vjp=False))
+
+  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+    f = jax.jit(fxaccum.value_and_grad(loss, micro_batches=4))
+    sharded = jax.tree.map(
+        lambda a: jax.device_put(a, NamedSharding(mesh, ulysses.batch_spec())), batch)
+    got = f(params, sharded)
+    (path,) = diagnostics.paths(f, params, sharded)
+  assert path.view == "global" and "shard_map" in path.reason
+  assert float(count) > 0 and float(total) > 0
+  assert_tree_close(got, ref)
+
+
+def test_array_keyword_arguments_on_an_explicit_mesh():
+  data, params = make_data(k=2), make_params()
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+
+  def loss(p, b, *, scale):
+    value = weighted_loss(p, b)
+    return fxaccum.Weighted(scale * value.total, value.weight)
+
+  ref = jax.value_and_grad(lambda p, b: 1.5 * reference_token_mean(p, b))(params, data)
+  with jax.set_mesh(mesh):
+    args = (put(params, mesh, {}), put(data, mesh, {k: P("data") for k in data}))
+    scale = jax.device_put(jnp.float32(1.5), NamedSharding(mesh, P()))
+    f = jax.jit(fxaccum.value_and_grad(loss, micro_batches=2))
+    got = f(*args, scale=scale)
+    eager = fxaccum.value_and_grad(loss, micro_batches=2)(*args, scale=scale)
+    (path,) = diagnostics.paths(f, *args, scale=scale)
+  assert path.view == "device"
+  assert_tree_close(got, ref)
+  assert_tree_close(eager, ref)
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
+def test_nested_calls(axis_type):
+  """A loss that itself accumulates (one inner SGD step, as in meta-learning) inside an
+  outer fxaccum call: exact against the same written with jax.grad."""
+  data, params = make_data(k=2), make_params()
+
+  def inner_step(p, b, grad_fn):
+    g = grad_fn(p, b)
+    return jax.tree.map(lambda a, da: a - 0.1 * da, p, g)
+
+  def outer(p, b, grad_fn):
+    return reference_token_mean(inner_step(p, b, grad_fn), b)
+
+  ref = jax.value_and_grad(outer)(params, data, jax.grad(reference_token_mean))
+  inner = fxaccum.grad(weighted_loss, micro_batches=2)
+  mesh = mesh_of((8,), ("data",), axis_type)
+  with jax.set_mesh(mesh):
+    args = (put(params, mesh, {}), put(data, mesh, {k: P("data") for k in data}))
+    got = jax.jit(fxaccum.value_and_grad(lambda p, b: outer(p, b, inner), micro_batches=1))(
+        *args)
+  assert_tree_close(got, ref)
+
+
+def test_param_shardings_keep_fsdp_gradients_sharded_under_jit_on_auto():
+  """Inside jit on an Auto mesh JAX hides the params' shardings: param_shardings gives
+  them, and FSDP gradients come back sharded (per-device bytes == param bytes)."""
+  data, params = make_data(k=4), make_params()
+  specs = {"w1": P("data", None), "b1": P("data"), "w2": P("data", None)}
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  ref = jax.value_and_grad(reference_token_mean)(params, data)
+  shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+  with jax.set_mesh(mesh):
+    args = (put(params, mesh, specs), put(data, mesh, {k: P("data") for k in data}))
+    for given, sharded in ((specs, True), (shardings, True), (None, False)):
+      f = jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=4,
+                                         param_shardings=given))
+      value, grads = f(*args)
+      assert_tree_close((value, grads), ref)
+      grad_bytes = sum(g.addressable_shards[0].data.nbytes for g in grads.values())
+      param_bytes = sum(p.addressable_shards[0].data.nbytes for p in args[0].values())
+      assert (grad_bytes == param_bytes) == sharded, (given, grad_bytes, param_bytes)
+
+
+def test_nnx_sharding_metadata_is_read_under_jit_on_auto():
+  """nnx.Param metadata (nnx.with_partitioning) is read without param_shardings."""
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("data", None))
+      self.linear = nnx.Linear(8, 16, kernel_init=init, rngs=rngs)
+
+    def __call__(self, x):
+      return self.linear(x)
+
+  with jax.set_mesh(mesh):
+    graphdef, state = nnx.split(Model(nnx.Rngs(0)))
+  x = np.random.default_rng(0).normal(size=(32, 8)).astype(np.float32)
+
+  def loss(state, x):
+    return jnp.mean(nnx.merge(graphdef, state)(x) ** 2)
+
+  ref = jax.value_and_grad(loss)(jax.device_get(state), x)
+  with jax.set_mesh(mesh):
+    _, grads = jax.jit(fxaccum.value_and_grad(loss, micro_batches=2))(
+        state, jax.device_put(x, NamedSharding(mesh, P("data"))))
+  assert_tree_close(grads, ref[1])
+  kernel = grads["linear"]["kernel"][...]
+  assert kernel.addressable_shards[0].data.shape == (1, 16)
+
+
+def test_view_device_refuses_a_loss_it_cannot_run():
+  mesh = mesh_of((2, 4), ("data", "seq"), AxisType.Auto)
+  params, batch = ulysses.make_params(), ulysses.make_batch()
+
+  def loss(params, batch):
+    return fxaccum.Weighted(*ulysses.token_sums(params, batch, custom_vjp=False))
+
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="view='device' cannot run.*shard_map"):
+    jax.jit(fxaccum.value_and_grad(loss, micro_batches=2, view="device"))(
+        params, jax.tree.map(
+            lambda a: jax.device_put(a, NamedSharding(mesh, ulysses.batch_spec())), batch))
+  with pytest.raises(ValueError, match="view must be"):
+    fxaccum.value_and_grad(loss, micro_batches=2, view="sometimes")
