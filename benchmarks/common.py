@@ -102,6 +102,22 @@ class MLP(nn.Module):
     return Dense(self.out)(x)
 
 
+class BatchNormMLP(nn.Module):
+  """``MLP`` with BatchNorm (train mode) after every hidden layer: a loss that mixes the
+  examples of its batch, so fxaccum runs it in the global view."""
+
+  width: int
+  depth: int
+  out: int
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.depth + 1):
+      x = nn.Dense(self.width, use_bias=False)(x)  # BatchNorm cancels a bias
+      x = nn.gelu(nn.BatchNorm(use_running_average=False)(x))
+    return nn.Dense(self.out)(x)
+
+
 class Block(nn.Module):
   """Pre-LN causal self-attention + 4x MLP."""
 
@@ -149,21 +165,45 @@ class LM(nn.Module):
     return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
-def mlp_setup(quick: bool) -> dict[str, Any]:
-  """The MLP regression problem: model, loss, params and the global batch (host arrays).
-  Quick: one hidden layer (compiles fastest; still two layers for tensor parallelism)."""
+def _regression(quick: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """The MLP problems' sizes (quick: one hidden layer, compiles fastest; still two layers
+  for tensor parallelism) and their global batch (host arrays)."""
   width, depth, dim, batch = (64, 0, 8, 64) if quick else (1024, 4, 32, 512)
-  model = MLP(width=width, depth=depth, out=dim)
   rng = np.random.default_rng(0)
   data = {"x": rng.normal(size=(batch, dim)).astype(np.float32),
           "y": rng.normal(size=(batch, dim)).astype(np.float32)}
+  return {"width": width, "hidden_layers": depth, "in_out_dim": dim, "global_batch": batch}, data
+
+
+def mlp_setup(quick: bool) -> dict[str, Any]:
+  """The MLP regression problem: model, loss, params and the global batch (host arrays)."""
+  config, data = _regression(quick)
+  model = MLP(width=config["width"], depth=config["hidden_layers"], out=config["in_out_dim"])
   params = jax.jit(model.init)(jax.random.key(0), data["x"][:1])
 
   def loss_fn(params, batch):
     return jnp.mean((model.apply(params, batch["x"]) - batch["y"]) ** 2)
 
-  config = {"width": width, "hidden_layers": depth, "in_out_dim": dim, "global_batch": batch}
   return {"loss": loss_fn, "params": params, "batch": data, "config": config}
+
+
+def bn_mlp_setup(quick: bool) -> dict[str, Any]:
+  """``mlp_setup``'s problem with BatchNorm in train mode: each micro-batch's statistics
+  enter the loss, so k micro-batches give the mean over the global micro-batches' losses
+  (not the large batch's), and per-device statistics would give another result."""
+  config, data = _regression(quick)
+  model = BatchNormMLP(width=config["width"], depth=config["hidden_layers"],
+                       out=config["in_out_dim"])
+  variables = jax.jit(model.init)(jax.random.key(0), data["x"][:2])
+  stats = variables["batch_stats"]
+
+  def loss_fn(params, batch):
+    out, _ = model.apply({"params": params, "batch_stats": stats}, batch["x"],
+                         mutable=["batch_stats"])
+    return jnp.mean((out - batch["y"]) ** 2)
+
+  return {"loss": loss_fn, "params": variables["params"], "batch": data,
+          "config": {**config, "batch_norm": True}, "mixes_examples": True}
 
 
 def lm_setup(quick: bool) -> dict[str, Any]:
@@ -194,6 +234,8 @@ def n_params(params: Any) -> int:
 
 LAYOUTS = {
     "replicated": "data parallel: mesh ('data',) over all devices, params replicated",
+    "replicated_auto": "the replicated layout on an Auto mesh (axis_types=(AxisType.Auto,)): "
+                       "no sharding in types, so no reduced/unreduced types either",
     "fsdp": "FSDP: mesh ('data',) over all devices, each param's largest dimension that "
             "divides evenly sharded over 'data' (gathered in the model, see Dense)",
     "data_x_model": "data x model: mesh ('data', 'model') = (devices / 2, 2), Dense kernels "
@@ -212,12 +254,14 @@ def layout_mesh(name: str) -> Any:
     if n % 2:
       raise ValueError(f"the data_x_model layout needs an even device count, found {n}")
     return jax.make_mesh((n // 2, 2), (DATA, MODEL))
+  if name == "replicated_auto":
+    return jax.make_mesh((n,), (DATA,), axis_types=(jax.sharding.AxisType.Auto,))
   return jax.make_mesh((n,), (DATA,))
 
 
 def layout_specs(name: str, params: Any, mesh: Any) -> Any:
   """The PartitionSpec of every param under layout ``name`` (see ``LAYOUTS``)."""
-  if name == "replicated":
+  if name in ("replicated", "replicated_auto"):
     return jax.tree.map(lambda _: P(), params)
   if name == "data_x_model":
     layers = sorted(params["params"], key=lambda m: int(m.rsplit("_", 1)[1]))
