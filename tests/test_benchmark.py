@@ -10,7 +10,8 @@ from helpers import run_script
 
 def test_suite_quick_run(tmp_path):
   out = tmp_path / "suite.json"
-  run_script("benchmarks/run.py", "--quick", "--out", str(out), "--images", str(tmp_path))
+  run_script("benchmarks/run.py", "--quick", "--ks", "2,8", "--out", str(out), "--images",
+             str(tmp_path))
   payload = json.loads(out.read_text())
   assert payload["device"] and payload["versions"]["jax"]
   setups = payload["setups"]
