@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jcore
 
-__all__ = ["Const", "Rows", "Stat", "Top", "Analysis", "analyze", "mixing"]
+__all__ = ["Const", "Rows", "Stat", "Top", "Analysis", "analyze", "depends_on", "mixing"]
 
 Exp = float | None  # the value scales as n ** exp; None: some other dependence on n
 
@@ -68,10 +68,12 @@ class Rows:
 @dataclasses.dataclass(frozen=True)
 class Stat:
   """Reduced over the batch axis; ``mixed`` says why it is no linear sum of per-example
-  terms (times ``n ** exp``)."""
+  terms (times ``n ** exp``); ``ratio``: it divides by another batch statistic (e.g. a
+  token mean of this micro-batch)."""
 
   mixed: str | None = None
   exp: Exp = 0.0
+  ratio: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +139,19 @@ def analyze(
   used_params = set(range(len(param_inputs)))
   return Analysis(tuple(outputs), tuple(dict.fromkeys(walker.blockers)),
                   frozenset(used_params - walker.not_reducible))
+
+
+def depends_on(closed_jaxpr: Any, values: Sequence[Any]) -> list[bool]:
+  """For each output of ``closed_jaxpr``: whether it depends on one of ``values`` (outer
+  tracers the traced function closed over, which appear as its constants)."""
+  wanted = {id(v) for v in values}
+  jaxpr = closed_jaxpr.jaxpr
+  reached = {var for var, const in zip(jaxpr.constvars, closed_jaxpr.consts, strict=True)
+             if id(const) in wanted}
+  for eqn in jaxpr.eqns:
+    if any(not isinstance(v, jcore.Literal) and v in reached for v in eqn.invars):
+      reached.update(eqn.outvars)
+  return [not isinstance(v, jcore.Literal) and v in reached for v in jaxpr.outvars]
 
 
 class _Unpaired(Exception):
@@ -231,6 +246,8 @@ class _Walker:
       return subcall(self, eqn, kinds, sources)
     self._use_params(eqn, kinds, sources)
     tops = [k for k in kinds if isinstance(k, Top)]
+    if tops and name == "div" and isinstance(kinds[1], Stat):
+      return [Stat(tops[0].mixed, None, ratio=True)]  # e.g. a total over a token count
     if tops:  # unknown structure in, unknown structure out
       return [tops[0]] * len(eqn.outvars)
     rule = _RULES.get(name)
@@ -282,9 +299,9 @@ def _ratio_exp(a: np.ndarray, b: np.ndarray) -> Exp:
   if a.shape != b.shape or a.size != 1 or a.dtype.kind not in "biuf":
     return None
   x, y = float(a.reshape(())), float(b.reshape(()))
-  if x == y:
+  if x == y or (math.isnan(x) and math.isnan(y)):
     return 0.0
-  if x == 0 or y == 0 or (x > 0) != (y > 0):
+  if x == 0 or y == 0 or (x > 0) != (y > 0) or not math.isfinite(x / y):
     return None
   exp = math.log2(y / x)
   return float(round(exp)) if math.isclose(exp, round(exp), abs_tol=1e-9) else None
@@ -293,7 +310,11 @@ def _ratio_exp(a: np.ndarray, b: np.ndarray) -> Exp:
 def _literal(var, partner) -> Const:
   value = np.asarray(var.val)
   scalar = float(value) if value.size == 1 and value.dtype.kind in "biuf" else None
-  exp = 0.0 if partner is None else _ratio_exp(value, np.asarray(partner.val))
+  if partner is None:
+    exp = 0.0
+  else:  # the same operand in the trace at twice the rows: a number there too?
+    exp = _ratio_exp(value, np.asarray(partner.val)) if isinstance(
+        partner, jcore.Literal) else None
   return Const(frozenset(range(value.ndim)) if scalar is not None else frozenset(), scalar,
                exp)
 
@@ -435,8 +456,9 @@ def _linear(eqn, kinds: list[Kind], exp: Exp) -> Stat:
                      "the term would be added once per device)")
   if name in ("mul", "div"):
     if len(stats) == 2 or (name == "div" and isinstance(kinds[1], Stat)):
-      return nonlinear("divides by or multiplies two batch statistics (e.g. a ratio to this "
-                       "micro-batch's token count): not a sum over examples")
+      return dataclasses.replace(nonlinear(
+          "divides by or multiplies two batch statistics (e.g. a ratio to this "
+          "micro-batch's token count): not a sum over examples"), ratio=name == "div")
     return Stat(inherited, exp) if exp is not None else nonlinear(
         "scales a batch statistic by a value that is no power of the micro-batch size")
   if name == "select_n" and isinstance(kinds[0], Const):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -373,7 +374,9 @@ def _run(config: _Config, layout: sync.Layout, kwargs: dict, args: tuple) -> Any
   diff_leaves, diff_def = jax.tree.flatten(diff)
   rest = tuple(None if i in config.diff_argnums else a for i, a in enumerate(args))
   call = _Call(diff_leaves, diff_def, rest, kwargs)
-  if not layout.data_axes:
+  if layout.manual:
+    value_aux, grads = _per_rank(config, layout, call)
+  elif not layout.data_axes:
     path = _view.Path("global", "the batch is not split over data-parallel devices", ())
     value_aux, grads = _global(config, layout, path, frozenset(), call)
   else:
@@ -531,10 +534,43 @@ def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call)
       out_specs=((P(), P()), grad_specs), axis_names=set(axes))
   with jax.named_scope(_view.record(path)):
     value_aux, grad_leaves = local(diff_leaves, rest, arrays)
+  return value_aux, _package(config, call, grad_leaves)
+
+
+def _per_rank(config: _Config, layout: sync.Layout, call: _Call):
+  """Inside the caller's shard_map over the data axes (per-rank code): each device's loss
+  is its shard of one global loss; local sums, one reduction over the axes after the loop."""
+  if config.view == "global":
+    raise ValueError(
+        f"view='global' cannot run inside a shard_map that is manual over the data axes "
+        f"{layout.data_axes}: there the loss sees only its device's shard. Call fxaccum "
+        "outside the shard_map, or use view='auto'.")
+  if config.view == "auto":
+    try:
+      total = _analyze(config, layout, call, paired=False)[0].outputs[0]
+    except Exception:  # noqa: BLE001 - the check is best effort; the loop traces it again
+      total = None
+    if isinstance(total, _analysis.Stat) and total.ratio:
+      raise ValueError(
+          f"Inside a shard_map over {layout.data_axes} each device's loss is its shard of "
+          "the global loss, but this loss divides by a statistic of its own shard (e.g. its "
+          f"token count: {total.mixed}). Per-shard means do not combine into the global "
+          "mean (DeepSpeed #5248). Return fxaccum.Weighted(jnp.sum(mask * loss), "
+          "jnp.sum(mask)) instead.")
+  path = _view.Path("device", "per-rank code inside a shard_map over the data axes: "
+                    "local sums, one reduction after the loop", layout.data_axes)
+  with jax.named_scope(_view.record(path)):
+    value_aux, grad_leaves = _device_loop(config, layout, call, presummed=True)
+  return value_aux, _package(config, call, grad_leaves)
+
+
+def _package(config: _Config, call: _Call, grad_leaves) -> Any:
+  """The gradient leaves of the device loop as the differentiated arguments' trees, or
+  ``fxaccum.Unreduced`` per-device sums (``reduce=False``)."""
   if not config.reduce:
     grad_leaves, weight = grad_leaves
-    return value_aux, sync.Unreduced(_unflatten_grads(config, call, grad_leaves), weight)
-  return value_aux, jax.tree.unflatten(call.diff_def, grad_leaves)
+    return sync.Unreduced(_unflatten_grads(config, call, grad_leaves), weight)
+  return jax.tree.unflatten(call.diff_def, grad_leaves)
 
 
 def _specs_like(tree: Any, spec: P) -> Any:
@@ -550,8 +586,9 @@ def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, jax.core.Tracer)) or hasattr(x, "__array__")
 
 
-def _device_loop(config: _Config, layout: sync.Layout, call: _Call):
-  """Inside the data-manual region: local sums over the micro-batches, then reductions."""
+def _device_loop(config: _Config, layout: sync.Layout, call: _Call, presummed: bool = False):
+  """Inside the data-manual region: local sums over the micro-batches, then reductions
+  (``presummed``: see :func:`_loop`)."""
   axes = layout.data_axes
   per_step = config.fsdp_reduce == "per_step"
   # Leaves gathered inside the loop body (FSDP per micro-batch) vs. held whole locally.
@@ -562,11 +599,11 @@ def _device_loop(config: _Config, layout: sync.Layout, call: _Call):
   whole = sync.vary(whole, axes)
   accumulators = [sync.vary(jnp.zeros_like(leaf, config.accum_dtype), axes) for leaf in whole]
   (value, aux), grad_acc, weight, local_weight = _loop(
-      config, call, axes, whole, gather_in_loop, accumulators, lambda i, acc: acc)
+      config, call, axes, whole, gather_in_loop, accumulators, lambda i, acc: acc, presummed)
   with jax.named_scope("fxaccum_reduce"):
     if not config.reduce:  # deferred: each device's sums, one slot per device
       return (value, aux), ([acc[None] for acc in grad_acc],
-                            local_weight.astype(jnp.float32)[None])
+                            sync.vary(local_weight, axes)[None])
     grads = []
     for acc, leaf, dims, loop_dims in zip(grad_acc, call.diff_leaves, layout.param_dims,
                                           gather_in_loop, strict=True):
@@ -664,11 +701,16 @@ def _as_unreduced(config: _Config, layout: sync.Layout, call: _Call, sums, weigh
 
 def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
           gather_dims: Sequence[sync.DataDims], accumulators: list[Any],
-          constrain: Callable[[int, jax.Array], jax.Array]):
+          constrain: Callable[[int, jax.Array], jax.Array], presummed: bool = False):
   """Sums over the micro-batches of gradients (into ``accumulators``), loss totals,
   weights and aux; ``axes`` are the manual axes to reduce the scalars over afterwards.
 
-  Returns ``((value, aux), grad_sums, weight, local_weight)``.
+  With ``presummed`` (per-rank code in the caller's shard_map), a loss total, weight or aux
+  leaf that depends on the batch but not vary over some of those axes was summed over them
+  by the loss itself (its ``psum``) and is not summed again; the gradients always are.
+
+  Returns ``((value, aux), grad_sums, weight, local_weight)``: ``local_weight`` is this
+  device's share of the summed weight (the shares add up to it over ``axes``).
   """
   k = config.micro_batches
   batch = call.batch(config)
@@ -679,18 +721,31 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
     total, weight, aux = call.loss(config, full, micro, index)
     return total, (weight, aux)
 
-  # Shapes of one micro-step's outputs, to build the loop carry.
-  total_shape, (weight_shape, aux_template) = jax.eval_shape(micro_loss, whole, 0)
+  # One micro-step's outputs (abstract, with the manual axes each varies over), to build
+  # the loop carry.
+  closed, shapes = jax.make_jaxpr(micro_loss, return_shape=True)(whole, 0)
+  total_aval, (weight_aval, aux_template) = jax.tree.unflatten(
+      jax.tree.structure(shapes), closed.out_avals)
+  tracked = presummed and sync.tracks_varying(axes)
+  depends = (_analysis.depends_on(closed, jax.tree.leaves(batch)) if tracked
+             else [False] * len(closed.out_avals))
+  # Per scalar output (total, weight, aux leaves, in order): the manual axes to sum it
+  # over; all of them, but those a batch-dependent value does not vary over.
+  scalar_axes = [tuple(a for a in axes if a in sync.varying_axes(aval)) if dep else axes
+                 for aval, dep in zip(closed.out_avals, depends, strict=True)]
+  in_order = iter(scalar_axes)
 
   def zeros(x, dtype=None):
-    return sync.vary(jnp.zeros(x.shape, dtype or x.dtype), axes)
+    return sync.vary(jnp.zeros(x.shape, dtype or x.dtype), next(in_order))
 
   init = (
       accumulators,
-      zeros(jax.ShapeDtypeStruct((), jnp.promote_types(total_shape.dtype, jnp.float32))),
-      zeros(weight_shape),
+      zeros(total_aval, jnp.promote_types(total_aval.dtype, jnp.float32)),
+      zeros(weight_aval),
       jax.tree.map(lambda a: _aux_zeros(a, zeros), aux_template, is_leaf=_is_weighted),
   )
+  carry_def = jax.tree.structure(init)
+  carry_axes = [axes] * len(accumulators) + scalar_axes  # the body gives back these types
 
   def body(carry, index):
     grad_acc, total_acc, weight_acc, aux_acc = carry
@@ -701,17 +756,22 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
         lambda acc, a: _aux_add(acc, a, weight), aux_acc, aux, is_leaf=_is_weighted
     )
     carry = (grad_acc, total_acc + total.astype(total_acc.dtype), weight_acc + weight, aux_acc)
-    return sync.vary(carry, axes), None
+    leaves = [sync.vary(x, a) for x, a in zip(carry_def.flatten_up_to(carry), carry_axes,
+                                              strict=True)]
+    return carry_def.unflatten(leaves), None
 
   (grad_acc, total, weight, aux_acc), _ = lax.scan(body, init, jnp.arange(k))
 
   with jax.named_scope("fxaccum_reduce"):
-    local_weight = weight
-    total, weight = sync.reduce(total, axes), sync.reduce(weight, axes)
-    value = safe_divide(total, weight).astype(total_shape.dtype)
-    aux = jax.tree.map(
-        lambda acc: _aux_finish(acc, weight, axes), aux_acc, is_leaf=_is_weighted
-    )
+    total_axes, weight_axes, *aux_axes = scalar_axes
+    shared = [a for a in axes if a not in weight_axes]
+    local_weight = weight.astype(jnp.float32) / math.prod(lax.axis_size(a) for a in shared)
+    total, weight = sync.reduce(total, total_axes), sync.reduce(weight, weight_axes)
+    value = safe_divide(total, weight).astype(total_aval.dtype)
+    aux_leaves, aux_def = jax.tree.flatten(aux_acc)
+    aux_leaves = [sync.reduce(x, a) for x, a in zip(aux_leaves, aux_axes, strict=True)]
+    aux = jax.tree.map(lambda acc: _aux_finish(acc, weight),
+                       jax.tree.unflatten(aux_def, aux_leaves), is_leaf=_is_weighted)
   return (value, aux), grad_acc, weight, local_weight
 
 
@@ -731,7 +791,8 @@ def _aux_add(acc, value, weight):
   return acc + weighted
 
 
-def _aux_finish(acc, weight, axes):
+def _aux_finish(acc, weight):
+  """A reduced aux sum as its mean: by its own weight (Weighted), else the loss's."""
   if isinstance(acc, Weighted):
-    return safe_divide(sync.reduce(acc.total, axes), sync.reduce(acc.weight, axes))
-  return safe_divide(sync.reduce(acc, axes), weight)
+    return safe_divide(acc.total, acc.weight)
+  return safe_divide(acc, weight)

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
@@ -39,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "CONVENTIONAL_DATA_AXES", "Layout", "Unreduced", "conform", "find_mesh", "gather",
-    "known_spec", "plan", "reduce", "spec_axes", "vary", "varying_axes",
+    "known_spec", "plan", "reduce", "spec_axes", "tracks_varying", "vary", "varying_axes",
 ]
 
 #: Auto mesh axes assumed to carry the batch when JAX cannot show its sharding.
@@ -63,6 +64,8 @@ class Layout:
       show it but the caller did (``param_shardings=``, NNX metadata); else None.
     device_blocker: why no region manual over the data axes can hold the params (a
       dimension sharded over data and other axes together), or None.
+    manual: the data axes are already manual: fxaccum runs inside the caller's
+      ``shard_map``, where each device's loss is its shard of a global loss.
   """
 
   mesh: Any
@@ -70,11 +73,13 @@ class Layout:
   param_dims: tuple[DataDims, ...]
   param_specs: tuple[P | None, ...] = ()
   device_blocker: str | None = None
+  manual: bool = False
 
   @property
   def data_devices(self) -> int:
-    """Number of devices the batch is split over."""
-    if not self.data_axes:
+    """Number of devices the batch fxaccum sees is split over (1 inside the caller's
+    shard_map: there it sees its device's rows)."""
+    if not self.data_axes or self.manual:
       return 1
     return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
@@ -179,6 +184,17 @@ def find_mesh(leaves: Sequence[Any]) -> Any:
   return None
 
 
+def manual_axes() -> set[str]:
+  """The mesh axes that are manual where this is traced (inside a ``shard_map``)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return _manual_axes(mesh) if mesh.axis_names else set()
+
+
+def _batch_varying(batch_leaves: Sequence[Any]) -> set[str]:
+  """The manual axes some batch leaf varies over (inside a shard_map that checks it)."""
+  return set().union(*(varying_axes(leaf) for leaf in batch_leaves)) if batch_leaves else set()
+
+
 def _manual_axes(mesh: Any) -> set[str]:
   return {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Manual}
 
@@ -214,14 +230,27 @@ def plan(
           f"{tuple(mesh.axis_names)}. Pass data_axes=None to infer them from the batch's "
           "sharding, or name existing axes."
       )
-    bad = [a for a in data_axes if a in manual]
-    if bad:
-      raise ValueError(
-          f"data_axes {bad} are already manual (fxaccum is called inside a shard_map over "
-          "them); the batch there is per-device. Leave them out of data_axes."
-      )
+    inside = [a for a in data_axes if a in manual]
+    if inside:
+      if len(inside) != len(data_axes):
+        raise ValueError(
+            f"data_axes {tuple(data_axes)} mixes axes that are manual here ({inside}: "
+            "fxaccum is called inside a shard_map over them) with axes that are not; name "
+            "either the manual axes the batch is split over, or none of them.")
+      return Layout(mesh, tuple(data_axes), tuple(() for _ in diff_leaves), hints,
+                    manual=True)
     axes = tuple(data_axes)
   else:
+    varying = _batch_varying(batch_leaves) & manual
+    if varying:
+      names = tuple(a for a in mesh.axis_names if a in varying)
+      raise ValueError(
+          f"fxaccum is called inside a shard_map that is manual over {names}, and the batch "
+          f"is split over them. Say how the per-device losses combine: "
+          f"data_axes={names} makes each device's loss its shard of one global loss "
+          "(return this device's fxaccum.Weighted(total, count); fxaccum sums totals and "
+          "counts over those axes and reduces the gradients once, after the loop), "
+          "data_axes=() keeps every device's result its own.")
     axes = _infer_data_axes(mesh, batch_leaves, manual)
 
   dims_and_problems = [_data_dims(leaf, axes, hint)
@@ -335,10 +364,15 @@ def conform(x: Any, spec: P, data_axes: tuple[str, ...]) -> Any:
 
 
 def varying_axes(x: Any) -> frozenset[str]:
-  """The manual axes ``x`` varies over inside ``shard_map`` (``aval.vma`` before JAX 0.10)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)
-  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+  """The manual axes ``x`` (a value or an abstract value) varies over inside a shard_map."""
+  aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+  return frozenset(aval.manual_axis_type.varying)
+
+
+def tracks_varying(axes: tuple[str, ...]) -> bool:
+  """Whether the enclosing shard_map types values as varying over ``axes`` (its
+  ``check_vma=True``); with ``check_vma=False`` no value says what it varies over."""
+  return bool(axes) and bool(varying_axes(lax.pcast(jnp.zeros(()), axes, to="varying")))
 
 
 def vary(x: Any, axes: tuple[str, ...]) -> Any:

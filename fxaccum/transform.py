@@ -342,6 +342,10 @@ def gate(
     if config.data_axes:  # the one all-reduce of deferred sync, inside this branch
       total = jax.tree.map(lambda a: jnp.sum(a, axis=0), total)
       weight = jnp.sum(weight)
+      # Inside the caller's shard_map over data axes each device holds its own slot.
+      manual = tuple(a for a in config.data_axes if a in sync.manual_axes())
+      if manual:
+        total, weight = lax.psum((total, weight), manual)
     mean = jax.tree.map(lambda t, d: safe_divide(t, weight).astype(d), total, grad_dtypes)
     reset = state._replace(
         micro_step=jnp.zeros_like(state.micro_step),

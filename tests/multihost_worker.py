@@ -27,6 +27,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import make_data, make_params, put, weighted_loss  # noqa: E402
 from test_checkpoint import DATA, K, deferred_setup, micro_batch  # noqa: E402
+from test_sp import AXES, per_rank_step, skewed_batch, weighted_per_rank  # noqa: E402
+from test_sp import put as put_sp  # noqa: E402
+from ulysses import make_params as ulysses_params  # noqa: E402
 
 import fxaccum  # noqa: E402
 
@@ -61,6 +64,22 @@ def instep(out_dir: str) -> dict[str, np.ndarray]:
     for place in ("loop", "top"):  # gradient reductions over the data axis, by place
       results[f"{name}/data_reductions_{place}"] = np.array(
           len(report.reductions(place, axes="data")))
+  return results
+
+
+def sequence_parallel(out_dir: str) -> dict[str, np.ndarray]:
+  """Per-rank Ulysses code in the caller's shard_map over (data 2, seq 4), fxaccum inside
+  with data_axes=(data, seq): the data axis spans the two processes."""
+  del out_dir
+  mesh = jax.make_mesh((2, 4), AXES)
+  params, batch = ulysses_params(), skewed_batch((2, 4))
+  step = per_rank_step(mesh, weighted_per_rank, 2)
+  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+    args = (params, put_sp(batch, mesh))
+    results = gathered("sp/", step(*args))
+    report = fxaccum.diagnostics.report(step, *args)
+  results["sp/reductions_loop"] = np.array(len(report.reductions("loop")))
+  results["sp/reductions_top"] = np.array(len(report.reductions("top", axes=AXES)))
   return results
 
 
@@ -107,7 +126,8 @@ def checkpoint_resume(out_dir: str) -> dict[str, np.ndarray]:
     return _state_results(_run_calls(state, train_step, mesh, range(SAVE_AT, CALLS)))
 
 
-SCENARIOS = {f.__name__: f for f in (instep, crossstep, checkpoint_save, checkpoint_resume)}
+SCENARIOS = {f.__name__: f for f in (instep, crossstep, checkpoint_save, checkpoint_resume,
+                                      sequence_parallel)}
 
 
 def main(scenario: str, process_id: int, port: int, out_dir: str) -> None:

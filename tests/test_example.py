@@ -38,3 +38,16 @@ def test_resume_example_is_bit_identical_after_a_kill():
   out = run_script("examples/resume_lm.py", "--calls", "8", "--kill-at", "6")
   assert "[killed] killed after call 6 (micro_step 2)" in out, out
   assert "killed-and-resumed vs uninterrupted: bit-identical" in out, out
+
+
+def test_ulysses_sp_example_proves_its_claims():
+  out = run_script("examples/ulysses_sp.py", "--steps", "2", "--micro-batches", "4")
+  assert proof_row(out, "max rel. gradient error vs one device")[0] < 1e-5, out
+  assert proof_row(out, "rel. loss error vs one device")[0] < 1e-5, out
+  for axes in ("data", "seq", "data+seq"):  # per-rank fxaccum: nothing in the loop
+    assert proof_row(out, f"reductions per step over {axes}, in the loop")[0] == 0, out
+  assert proof_row(out, "reductions per step over data+seq, after the loop")[0] >= 1, out
+  # GSPMD-style: the sum over seq runs inside the loop, per micro-batch.
+  assert proof_row(out, "reductions per step over seq, in the loop")[1] >= 4, out
+  ratio = float(re.search(r"too large: ([\d.]+)x", out).group(1))
+  assert ratio > 3, out  # the #5248 trap: per-rank means summed over 4 sequence shards

@@ -21,9 +21,11 @@ import jax
 import numpy as np
 import optax
 import pytest
+import ulysses
 from helpers import assert_tree_close, make_data, make_params, reference_token_mean
 from multihost_worker import CALLS, LAYOUTS, SAVE_AT, SCENARIOS
 from test_checkpoint import K, micro_batch
+from test_sp import reference, skewed_batch
 
 pytestmark = pytest.mark.multihost
 
@@ -97,7 +99,8 @@ def by_prefix(results: dict, prefix: str) -> dict:
 
 def test_worker_is_the_single_process_scenario():
   """The worker runs exactly the functions the test runs locally (no hidden divergence)."""
-  assert set(SCENARIOS) == {"instep", "crossstep", "checkpoint_save", "checkpoint_resume"}
+  assert set(SCENARIOS) == {"instep", "crossstep", "checkpoint_save", "checkpoint_resume",
+                            "sequence_parallel"}
 
 
 def test_instep_two_processes_match_one(tmp_path):
@@ -135,3 +138,18 @@ def test_mid_window_checkpoint_two_processes(tmp_path):
   assert_results_close(resumed, uninterrupted)
 
   assert_results_close(SCENARIOS["checkpoint_resume"](str(tmp_path)), uninterrupted)
+
+
+def test_sequence_parallel_per_rank_two_processes(tmp_path):
+  """Per-rank code over (data 2, seq 4), data across the processes: == 1 process, == the
+  single-device token mean, and no reduction inside the micro-batch loop."""
+  multi = launch("sequence_parallel", tmp_path)
+  assert_results_close(multi, SCENARIOS["sequence_parallel"](str(tmp_path)))
+  ref = reference(ulysses.make_params(), skewed_batch((2, 4)))
+  assert_tree_close(multi["sp/[0]"], ref[0])
+  grads = {k: v for k, v in multi.items() if k.startswith("sp/[1]")}
+  assert len(grads) == len(jax.tree.leaves(ref[1]))
+  flat = jax.tree_util.tree_flatten_with_path(ref[1])[0]
+  assert_tree_close([grads[f"sp/[1]{jax.tree_util.keystr(p)}"] for p, _ in flat],
+                    [v for _, v in flat])
+  assert multi["sp/reductions_loop"] == 0 and multi["sp/reductions_top"] >= 1

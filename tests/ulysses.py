@@ -102,17 +102,22 @@ def _attend(q, k, v, weights):
   return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+def _ulysses_local(q, k, v, w, axis):
+  """``_attend`` on this device's sequence shard, inside a shard_map manual over ``axis``:
+  q/k/v (B, T/n, H, Dh), w (B, T/n)."""
+  # (B, T/n, H, Dh) -> (B, T, H/n, Dh): split heads, gather sequence.
+  def to_heads(x):
+    return jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
+
+  w = jax.lax.all_gather(w, axis, axis=1, tiled=True)  # the key mask needs every token
+  out = _attend(to_heads(q), to_heads(k), to_heads(v), w)
+  # (B, T, H/n, Dh) -> (B, T/n, H, Dh): split sequence, gather heads.
+  return jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
+
+
 def _ulysses_attend(q, k, v, weights, axis, custom_vjp):
   """``_attend`` with q/k/v/weights sharded over ``axis`` along the sequence dimension."""
-  def local(q, k, v, w):
-    # (B, T/n, H, Dh) -> (B, T, H/n, Dh): split heads, gather sequence.
-    def to_heads(x):
-      return jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
-
-    w = jax.lax.all_gather(w, axis, axis=1, tiled=True)  # the key mask needs every token
-    out = _attend(to_heads(q), to_heads(k), to_heads(v), w)
-    # (B, T, H/n, Dh) -> (B, T/n, H, Dh): split sequence, gather heads.
-    return jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
+  local = functools.partial(_ulysses_local, axis=axis)
 
   # Manual over `axis` only: specs may name only that axis; `data` stays automatic.
   spec = P(None, axis, None, None)
@@ -139,11 +144,12 @@ def _ulysses_attend(q, k, v, weights, axis, custom_vjp):
   return attend(q, k, v, weights)
 
 
-def _forward_sums(params, batch, attend):
+def _forward_sums(params, batch, attend, pos=None):
   inputs, targets, weights = batch["inputs"], batch["targets"], batch["weights"]
   t = inputs.shape[1]
+  pos = params["pos"][:t] if pos is None else pos
   # One-hot matmuls instead of gathers: identical math, and no gather sharding rules needed.
-  x = jax.nn.one_hot(inputs, VOCAB, dtype=jnp.float32) @ params["embed"] + params["pos"][:t]
+  x = jax.nn.one_hot(inputs, VOCAB, dtype=jnp.float32) @ params["embed"] + pos
   h = _layer_norm(x, params["ln1"])
   a = params["attn"]
   q = jnp.einsum("btd,dhk->bthk", h, a["wq"])
@@ -169,6 +175,16 @@ def token_sums(params, batch, *, mesh_seq_axis: str = "seq", custom_vjp: bool = 
   """
   attend = functools.partial(_ulysses_attend, axis=mesh_seq_axis, custom_vjp=custom_vjp)
   return _forward_sums(params, batch, attend)
+
+
+def token_sums_per_rank(params, batch, *, seq_axis: str = "seq"):
+  """This device's ``(sum(weights * xent), sum(weights))``: per-rank code, inside a
+  shard_map manual over the data axes and ``seq_axis``, on this device's rows and sequence
+  shard (its position embeddings are the slice at its shard's offset)."""
+  t = batch["inputs"].shape[1]
+  pos = jax.lax.dynamic_slice_in_dim(params["pos"], jax.lax.axis_index(seq_axis) * t, t)
+  attend = functools.partial(_ulysses_local, axis=seq_axis)
+  return _forward_sums(params, batch, attend, pos=pos)
 
 
 def token_sums_plain(params, batch):

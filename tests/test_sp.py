@@ -1,0 +1,192 @@
+"""Sequence parallelism: per-rank code (fxaccum inside the caller's shard_map over data x
+seq) gives the single-device token mean over all valid tokens, with one reduction per step.
+
+Reference: the same model with ordinary attention on one device, total / count over the
+whole batch (the DeepSpeed #5248 trap, per-rank means, is the negative control).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import ulysses
+from helpers import assert_tree_close, mesh_of
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fxaccum
+from fxaccum import diagnostics
+
+AXES = ("data", "seq")
+SPEC = P("data", "seq")
+
+
+def skewed_batch(mesh_shape, k=4):
+  """ulysses' padded batch, made harder: the last sequence shard of every row of the last
+  data rank is padding (an all-padding shard), and micro-batch k-1 (rows i % k == k-1 of
+  every device, with the strided split) holds no token at all."""
+  batch = ulysses.make_batch()
+  data, seq = mesh_shape
+  rows, tokens = batch["weights"].shape
+  w = batch["weights"].copy()
+  last_rank = np.arange(rows) >= rows - rows // data
+  w[last_rank, tokens - tokens // seq:] = 0
+  w[np.arange(rows) % k == k - 1] = 0
+  batch["weights"] = w
+  return batch
+
+
+def reference(params, batch):
+  with jax.default_matmul_precision("highest"):
+    return jax.value_and_grad(lambda p: (lambda t, c: t / c)(
+        *ulysses.token_sums_plain(p, batch)))(params)
+
+
+def per_rank_step(mesh, loss, k, **kwargs):
+  """The user's train-step shape: a shard_map over data x seq, fxaccum inside it."""
+  grad_fn = fxaccum.value_and_grad(loss, micro_batches=k, data_axes=AXES, **kwargs)
+  return jax.jit(jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), SPEC), out_specs=P()))
+
+
+def put(batch, mesh):
+  return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, SPEC)), batch)
+
+
+def weighted_per_rank(params, batch):
+  return fxaccum.Weighted(*ulysses.token_sums_per_rank(params, batch))
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)], ids=["data2_seq4", "data4_seq2"])
+def test_per_rank_ulysses_matches_the_global_token_mean(mesh_shape, k):
+  params, batch = ulysses.make_params(), skewed_batch(mesh_shape)
+  axis_type = AxisType.Explicit if mesh_shape == (2, 4) else AxisType.Auto
+  mesh = mesh_of(mesh_shape, AXES, axis_type)
+  step = per_rank_step(mesh, weighted_per_rank, k)
+  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+    args = (params, put(batch, mesh))
+    got = step(*args)
+    rep = diagnostics.report(step, *args)
+  assert_tree_close(got, reference(params, batch))
+  # Local sums in the loop; the one reduction of gradients, loss total and token count
+  # over data x seq after it (XLA may split it into a few all-reduces).
+  assert rep.reductions(place="loop") == [], rep.summary()
+  top = rep.reductions(place="top")
+  assert top and all(c.axes == AXES for c in top), rep.summary()
+  grad_bytes = sum(np.asarray(p).nbytes for p in jax.tree.leaves(params))
+  assert grad_bytes <= rep.bytes_per_call(diagnostics.REDUCTIONS) <= grad_bytes + 64
+  assert [p.view for p in rep.paths] == ["device"]
+
+
+def test_naive_combinations_are_wrong_on_the_same_data():
+  """Negative controls: per-rank token means psum'd over seq (DeepSpeed #5248: about the
+  SP size too large) and the mean of micro-batch token means."""
+  mesh_shape, k = (2, 4), 4
+  params, batch = ulysses.make_params(), skewed_batch(mesh_shape)
+  ref_value, ref_grads = reference(params, batch)
+  mesh = mesh_of(mesh_shape, AXES, AxisType.Auto)
+
+  def trap(params, batch):
+    total, count = ulysses.token_sums_per_rank(params, batch)
+    per_rank_mean = jnp.where(count > 0, total / jnp.maximum(count, 1), 0.0)
+    return jax.lax.pmean(jax.lax.psum(per_rank_mean, "seq"), "data")
+
+  with jax.set_mesh(mesh):
+    value = jax.jit(jax.shard_map(trap, mesh=mesh, in_specs=(P(), SPEC), out_specs=P()))(
+        params, put(batch, mesh))
+  assert abs(float(value) - float(ref_value)) > 1e-2 * float(ref_value)
+
+  def micro_mean(p, i):
+    micro = jax.tree.map(lambda a: a[i::k], batch)
+    total, count = ulysses.token_sums_plain(p, micro)
+    return jnp.where(count > 0, total / jnp.maximum(count, 1), 0.0)
+
+  naive = jax.value_and_grad(lambda p: sum(micro_mean(p, i) for i in range(k)) / k)(params)
+  assert abs(float(naive[0]) - float(ref_value)) > 1e-2 * float(ref_value)
+  rel = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+            for a, b in zip(jax.tree.leaves(naive[1]), jax.tree.leaves(ref_grads), strict=True))
+  assert rel > 1e-2
+
+
+def test_a_loss_that_already_psums_its_weighted_parts():
+  """psum over seq inside the loss: fxaccum does not sum those parts again."""
+  mesh_shape = (2, 4)
+  params, batch = ulysses.make_params(), skewed_batch(mesh_shape)
+  mesh = mesh_of(mesh_shape, AXES, AxisType.Auto)
+
+  def summed_over_seq(params, batch):
+    total, count = ulysses.token_sums_per_rank(params, batch)
+    return fxaccum.Weighted(jax.lax.psum(total, "seq"), jax.lax.psum(count, "seq"))
+
+  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+    got = per_rank_step(mesh, summed_over_seq, 2)(params, put(batch, mesh))
+  assert_tree_close(got, reference(params, batch))
+
+
+def test_per_rank_token_mean_is_refused():
+  """A per-shard token mean cannot combine into the global one: a clear error."""
+  mesh = mesh_of((2, 4), AXES, AxisType.Auto)
+  params, batch = ulysses.make_params(), skewed_batch((2, 4))
+
+  def per_rank_mean(params, batch):
+    total, count = ulysses.token_sums_per_rank(params, batch)
+    return total / jnp.maximum(count, 1.0)
+
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="DeepSpeed #5248.*Weighted"):
+    per_rank_step(mesh, per_rank_mean, 2)(params, put(batch, mesh))
+
+
+def test_inside_a_shard_map_without_data_axes_is_an_error_naming_them():
+  mesh = mesh_of((2, 4), AXES, AxisType.Auto)
+  params, batch = ulysses.make_params(), skewed_batch((2, 4))
+  grad_fn = fxaccum.value_and_grad(weighted_per_rank, micro_batches=2)
+  step = jax.jit(jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), SPEC), out_specs=P()))
+  with jax.set_mesh(mesh), pytest.raises(
+      ValueError, match=r"manual over \('data', 'seq'\).*data_axes=\('data', 'seq'\)"):
+    step(params, put(batch, mesh))
+  with pytest.raises(ValueError, match="mixes axes that are manual"), jax.set_mesh(mesh):
+    jax.jit(jax.shard_map(
+        fxaccum.value_and_grad(weighted_per_rank, micro_batches=2, data_axes=AXES),
+        mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), axis_names={"data"}))(
+            params, jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))),
+                                 batch))
+
+
+def test_cross_step_deferred_sync_per_rank():
+  """reduce=False inside the shard_map feeds accumulate(k, data_axes=(data, seq)): the
+  gradient is reduced once per window, in the boundary branch; the SGD step equals the
+  one on the window's global token mean."""
+  mesh_shape, calls = (2, 4), 2
+  params = ulysses.make_params()
+  batches = [skewed_batch(mesh_shape), ulysses.make_batch(seed=1)]
+  mesh = mesh_of(mesh_shape, AXES, AxisType.Auto)
+  tx = optax.chain(fxaccum.accumulate(calls, data_axes=AXES), optax.sgd(0.5))
+  grad_fn = fxaccum.value_and_grad(weighted_per_rank, micro_batches=2, data_axes=AXES,
+                                   reduce=False)
+
+  def step(params, opt_state, batch):
+    _, grads = grad_fn(params, batch)
+    return fxaccum.apply_gradients(tx, grads, opt_state, params)
+
+  with jax.set_mesh(mesh):
+    opt_state = tx.init(jax.device_put(params, NamedSharding(mesh, P())))
+    acc_spec = jax.tree.map(lambda _: P(AXES), opt_state[0].accumulator)
+    state_specs = (opt_state[0]._replace(micro_step=P(), optimizer_step=P(),
+                                         accumulator=acc_spec, weight=P(AXES), skipped=P()),
+                   jax.tree.map(lambda _: P(), opt_state[1]))
+    run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), state_specs, SPEC),
+                                out_specs=(P(), state_specs)))
+    p = params
+    for batch in batches:
+      p, opt_state = run(p, opt_state, put(batch, mesh))
+      jax.block_until_ready(p)
+    rep = diagnostics.report(run, p, opt_state, put(batches[0], mesh))
+  # Reference: the window's gradient is sum(total) / sum(count) over both calls.
+  both = jax.tree.map(lambda a, b: np.concatenate([a, b]), *batches)
+  _, grads = reference(params, both)
+  want = jax.tree.map(lambda w, g: w - 0.5 * g, params, grads)
+  assert_tree_close(p, want)
+  grad_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
+  big = [c for c in rep.reductions() if c.bytes >= grad_bytes // 2]
+  assert big and all(c.place == "conditional" for c in big), rep.summary()
