@@ -80,7 +80,8 @@ def recorded(hlo_text: str) -> list[Path]:
   return [_PATHS[i] for i in ids if i in _PATHS]
 
 
-Role = Literal["total", "weight", "aux", "aux_total", "aux_weight"]
+Role = Literal["total", "weight", "aux", "aux_total", "aux_weight", "aux_sum", "aux_concat",
+               "state", "state_update", "sown"]
 
 
 def _lam(kind: _analysis.Kind) -> float | None:
@@ -113,8 +114,24 @@ def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role]) -> tuple[
   """
   lams = [_lam(k) for k in outputs]
   for kind, role, lam in zip(outputs, roles, lams, strict=True):
+    if role == "state_update":
+      return ("the loss updates module state (e.g. BatchNorm statistics, RNG counts): per "
+              "device, every device would update its own copy"), ""
+    if role == "sown":
+      return "the loss sows values into the module (Module.sow)", ""
+    if role == "aux_concat":
+      if not (isinstance(kind, _analysis.Rows) and kind.dim == 0 and kind.mixed is None
+              and kind.exp == 0):
+        return _mixed_reason(kind, role) if not isinstance(kind, _analysis.Rows) or (
+            kind.mixed) else "a Concat aux leaf is not per-example rows on axis 0", ""
+      continue
+    if role == "state":
+      continue
     if lam is None:
       return _mixed_reason(kind, role), ""
+    if role == "aux_sum" and lam != 0:
+      return ("a Sum aux leaf is no sum over examples (per device it would be counted once "
+              "per device)"), ""
   pairs = [(i, i + 1) for i, role in enumerate(roles) if role in ("total", "aux_total")]
   for a, b in pairs:
     if lams[a] != lams[b]:
@@ -135,7 +152,8 @@ def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role]) -> tuple[
 
 def _mixed_reason(kind: _analysis.Kind, role: Role) -> str:
   what = {"total": "the loss", "weight": "the loss's weight", "aux": "an aux leaf",
-          "aux_total": "a Weighted aux leaf", "aux_weight": "a Weighted aux leaf's weight"}[role]
+          "aux_total": "a Weighted aux leaf", "aux_weight": "a Weighted aux leaf's weight",
+          "aux_sum": "a Sum aux leaf", "aux_concat": "a Concat aux leaf"}.get(role, role)
   reason = _analysis.mixing(kind)
   if isinstance(kind, _analysis.Rows) and reason is None:  # e.g. per-example outputs
     return f"{what} keeps the batch axis, so it is no sum or mean over examples"

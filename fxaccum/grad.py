@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -27,8 +28,8 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fxaccum import _analysis, _view, split, sync
-from fxaccum.weighted import Weighted, safe_divide, weight_dtype
+from fxaccum import _analysis, _nnx, _view, split, sync
+from fxaccum.weighted import Concat, Sum, Weighted, safe_divide, weight_dtype
 
 __all__ = ["value_and_grad", "grad"]
 
@@ -65,10 +66,17 @@ def value_and_grad(
   * if ``fun`` returns :class:`fxaccum.Weighted` ``(total, weight)``, the value is
     ``sum(total) / sum(weight)`` over all micro-batches (0 when the summed weight is 0),
     and the gradient is that of this global ratio;
-  * with ``has_aux=True``, ``fun`` returns ``(loss, aux)`` and every ``aux`` leaf is
-    averaged over the micro-batches with the loss's weights, summed in float32; an
-    ``aux`` leaf that is itself a ``Weighted`` is normalized by its own weight. Aux leaves
-    come back as float32. A micro-batch of weight 0 adds nothing to the aux average.
+  * with ``has_aux=True``, ``fun`` returns ``(loss, aux)``. Plain ``aux`` leaves are
+    averaged over the micro-batches with the loss's weights, in float32 (a micro-batch of
+    weight 0 adds nothing); a ``Weighted`` leaf is normalized by its own weight; a
+    :class:`fxaccum.Sum` leaf is summed; a :class:`fxaccum.Concat` leaf (per-example
+    outputs) comes back for the whole batch, in its row order.
+
+  A flax NNX module among the arguments is taken the ``nnx.value_and_grad`` way: at a
+  differentiated position its ``nnx.Param``s are differentiated (another filter:
+  ``argnums=nnx.DiffState(i, filter)``) and the gradients come back as an ``nnx.State``;
+  all its other state (BatchNorm statistics, RNG counts, sown values) is threaded through
+  the micro-batches in order and written back into the module.
 
   Losses that mix examples (batch statistics, BatchNorm in train mode, in-batch
   negatives) get exactly this contract too. ``view`` picks how the loss runs on a mesh:
@@ -91,7 +99,8 @@ def value_and_grad(
 
   Args:
     fun: loss function; see above for what it returns.
-    argnums: which positional argument(s) to differentiate, as in ``jax.grad``.
+    argnums: which positional argument(s) to differentiate, as in ``jax.grad``; for an
+      NNX module, also ``nnx.DiffState(argnum, filter)``.
     has_aux: whether ``fun`` returns ``(loss, aux)``.
     micro_batches: number ``k`` of micro-batches per call (a positive Python int).
     batch_argnums: positional argument(s) holding the batch, split along axis 0.
@@ -138,6 +147,7 @@ def value_and_grad(
     (True, True)
   """
   micro_batches = split.check_micro_batches(micro_batches)
+  argnums, filters = _nnx.argnums_and_filters(argnums)
   diff_argnums = split.as_argnums(argnums, "argnums")
   batch_argnums_t = split.as_argnums(batch_argnums, "batch_argnums")
   rng_argnums_t = split.as_argnums(rng_argnums, "rng_argnums")
@@ -180,7 +190,7 @@ def value_and_grad(
   )
   shardings = (None if param_shardings is None
                else (param_shardings,) if single_argnum else tuple(param_shardings))
-  compiled_for_layout: dict[sync.Layout, Callable[..., Any]] = {}
+  compiled_for_layout: dict[Any, Callable[..., Any]] = {}
 
   @functools.wraps(fun)
   def value_and_grad_fn(*args, **kwargs):
@@ -191,12 +201,14 @@ def value_and_grad(
           f"arguments, but argnums/batch_argnums/rng_argnums refer to argument {highest}. "
           "Pass the params and the batch positionally."
       )
+    module_args = args
+    args, state, sown, modules = _nnx.Modules.split(args, diff_argnums, filters)
     diff = [args[i] for i in diff_argnums]
     batch = [args[i] for i in batch_argnums_t]
     other = [a for i, a in enumerate(args) if i not in diff_argnums + batch_argnums_t]
     _check_differentiable(diff, diff_argnums)
     diff_leaves = jax.tree.leaves(diff)
-    layout = sync.plan(diff_leaves, jax.tree.leaves(batch), jax.tree.leaves(other),
+    layout = sync.plan(diff_leaves, jax.tree.leaves(batch), jax.tree.leaves((other, state)),
                        axes_override, sync.param_hints(diff, shardings))
     split.leading_size(batch, micro_batches, layout.data_devices)
     if not reduce and any(layout.param_dims):
@@ -208,15 +220,19 @@ def value_and_grad(
 
     # Keyword arguments reach `fun` as given (like jax.value_and_grad): not split, not
     # differentiated, not traced by fxaccum.
-    run = functools.partial(_run, config, layout, kwargs)
-    if _is_traced(args, kwargs):
-      return run(args)
-    # Eager call: compile the whole accumulation, once per layout when there are no kwargs.
-    if kwargs:
-      return jax.jit(run)(args)
-    if layout not in compiled_for_layout:
-      compiled_for_layout[layout] = jax.jit(run)
-    return compiled_for_layout[layout](args)
+    run = functools.partial(_run, config, layout, kwargs, modules)
+    if _is_traced(args, kwargs, state):
+      out, (state, new_sown) = run((args, state))
+    elif kwargs:  # eager: compile the whole accumulation, once per layout without kwargs
+      out, (state, new_sown) = jax.jit(run)((args, state))
+    else:
+      key = (layout, modules)
+      if key not in compiled_for_layout:
+        compiled_for_layout[key] = jax.jit(run)
+      out, (state, new_sown) = compiled_for_layout[key]((args, state))
+    if modules is not None:  # as nnx.value_and_grad does: the modules' state, in place
+      modules.update(module_args, state, sown, new_sown)
+    return out
 
   return value_and_grad_fn
 
@@ -268,18 +284,25 @@ class _Config:
 
 @dataclasses.dataclass(frozen=True)
 class _Call:
-  """One traced call: the differentiated leaves and everything else ``fun`` receives."""
+  """One traced call: the differentiated leaves and everything else ``fun`` receives.
+
+  ``state`` is the threaded state of NNX module arguments (``()`` without modules): each
+  micro-batch's call takes the state the previous one left.
+  """
 
   diff_leaves: list[Any]
   diff_def: Any
   rest: tuple[Any, ...]  # the positional args, None at the differentiated ones
   kwargs: dict[str, Any]
+  state: Any = ()
+  modules: _nnx.Modules | None = None
 
   def batch(self, config: _Config) -> dict[int, Any]:
     return {i: self.rest[i] for i in config.batch_argnums}
 
-  def loss(self, config: _Config, diff_leaves, micro, index) -> tuple[Any, Any, Any]:
-    """``fun`` on micro-batch ``micro`` (number ``index``) as ``(total, weight, aux)``."""
+  def loss(self, config: _Config, diff_leaves, micro, index, state) -> tuple[Any, ...]:
+    """``fun`` on micro-batch ``micro`` (number ``index``) with module state ``state``, as
+    ``(total, weight, aux, state, sown)``."""
     call_args = list(self.rest)
     for i in config.batch_argnums:
       call_args[i] = micro[i]
@@ -288,11 +311,15 @@ class _Call:
     values = jax.tree.unflatten(self.diff_def, diff_leaves)
     for i, value in zip(config.diff_argnums, values, strict=True):
       call_args[i] = value
+    after = None
+    if self.modules is not None:
+      call_args, after = self.modules.merged(call_args, state)
     with jax.named_scope("fxaccum_compute"):
       out = config.fun(*call_args, **self.kwargs)
+    state, sown = after() if after is not None else ((), ())
     loss, aux = _split_output(out, config.has_aux)
     total, weight = _total_and_weight(loss)
-    return total, weight, aux
+    return total, weight, aux, state, sown
 
 
 def _as_axes(data_axes: str | Sequence[str]) -> tuple[str, ...]:
@@ -314,7 +341,9 @@ def _check_differentiable(diff: Sequence[Any], diff_argnums: tuple[int, ...]) ->
         raise TypeError(
             f"fxaccum.value_and_grad requires float inputs at argnums, but argument "
             f"{argnum} has leaf {jax.tree_util.keystr(path) or '<root>'} of dtype {dtype}. "
-            "Differentiate only float params; pass integer state in another argument."
+            "Differentiate only float params: pass an NNX module itself (its nnx.Params are "
+            "differentiated, its other state threaded through), or integer state in "
+            "another argument."
         )
 
 
@@ -355,10 +384,6 @@ def _total_and_weight(loss: Any) -> tuple[jax.Array, jax.Array]:
   return loss, jnp.ones((), jnp.int32)
 
 
-def _is_weighted(x: Any) -> bool:
-  return isinstance(x, Weighted)
-
-
 def _explicit(mesh: Any, axes: Sequence[str]) -> bool:
   types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
   return bool(axes) and all(types[a] == AxisType.Explicit for a in axes)
@@ -368,23 +393,26 @@ def _explicit(mesh: Any, axes: Sequence[str]) -> bool:
 # Which view
 
 
-def _run(config: _Config, layout: sync.Layout, kwargs: dict, args: tuple) -> Any:
-  """The whole accumulation for one layout; jit-traceable."""
+def _run(config: _Config, layout: sync.Layout, kwargs: dict, modules: _nnx.Modules | None,
+         packed: tuple[tuple, Any]) -> Any:
+  """The whole accumulation for one layout; jit-traceable. ``packed`` is ``(args, state)``
+  (module arguments split into their state); returns ``(result, (state, sown))``."""
+  args, state = packed
   diff = tuple(args[i] for i in config.diff_argnums)
   diff_leaves, diff_def = jax.tree.flatten(diff)
   rest = tuple(None if i in config.diff_argnums else a for i, a in enumerate(args))
-  call = _Call(diff_leaves, diff_def, rest, kwargs)
+  call = _Call(diff_leaves, diff_def, rest, kwargs, state, modules)
   if layout.manual:
-    value_aux, grads = _per_rank(config, layout, call)
+    value_aux, grads, after = _per_rank(config, layout, call)
   elif not layout.data_axes:
     path = _view.Path("global", "the batch is not split over data-parallel devices", ())
-    value_aux, grads = _global(config, layout, path, frozenset(), call)
+    value_aux, grads, after = _global(config, layout, path, frozenset(), call)
   else:
     path, reducible = _decide(config, layout, call)
     value_aux = None
     if path.view == "device":
       try:
-        value_aux, grads = _device(config, layout, path, call)
+        value_aux, grads, after = _device(config, layout, path, call)
       except Exception as err:  # noqa: BLE001 - any failure to trace per device
         if config.view == "device":
           raise ValueError(
@@ -394,10 +422,11 @@ def _run(config: _Config, layout: sync.Layout, kwargs: dict, args: tuple) -> Any
             path, view="global",
             reason=f"the loss did not trace per device ({_first_line(err)})")
     if value_aux is None:
-      value_aux, grads = _global(config, layout, path, reducible, call)
+      value_aux, grads, after = _global(config, layout, path, reducible, call)
   if config.single_argnum and not isinstance(grads, sync.Unreduced):
     grads = grads[0]
-  return (value_aux, grads) if config.has_aux else (value_aux[0], grads)
+  result = (value_aux, grads) if config.has_aux else (value_aux[0], grads)
+  return result, after
 
 
 def _first_line(err: BaseException) -> str:
@@ -452,34 +481,42 @@ def _analyze(config: _Config, layout: sync.Layout, call: _Call,
                          call.batch(config))
   leaves = [_gathered(leaf, layout.data_axes) for leaf in call.diff_leaves]
 
-  def trace(leaves, micro):
-    return jax.make_jaxpr(lambda leaves, micro: call.loss(config, leaves, micro, 0),
-                          return_shape=True)(leaves, micro)
+  def trace(leaves, micro, state):
+    return jax.make_jaxpr(
+        lambda leaves, micro, state: call.loss(config, leaves, micro, 0, state),
+        return_shape=True)(leaves, micro, state)
 
   def trace_either(micro):
     try:
-      return trace(leaves, micro)
+      return trace(leaves, micro, call.state)
     except Exception as err:  # noqa: BLE001 - retried without data axes, else re-raised
       try:
         return trace(*jax.tree.map(lambda x: _gathered(x, layout.data_axes, batch=True),
-                                   (leaves, micro)))
+                                   (leaves, micro, call.state)))
       except Exception:  # noqa: BLE001
         raise err from None
 
-  closed, (_, _, aux) = trace_either(micro)
+  closed, (_, _, aux, state, sown) = trace_either(micro)
   twice = None
   if paired:
     doubled = jax.eval_shape(
         lambda m: jax.tree.map(lambda a: jnp.concatenate([a, a]), m), micro)
     twice, _ = trace_either(doubled)
   roles: list[_view.Role] = ["total", "weight"]
-  for marker in jax.tree.leaves(aux, is_leaf=_is_weighted):
-    roles.extend(["aux_total", "aux_weight"] if _is_weighted(marker) else ["aux"])
-  n_diff = len(call.diff_leaves)
+  for marker in jax.tree.leaves(aux, is_leaf=_is_marker):
+    roles.extend({Weighted: ["aux_total", "aux_weight"], Sum: ["aux_sum"],
+                  Concat: ["aux_concat"]}.get(type(marker), ["aux"]))
+  n_diff, n_micro = len(call.diff_leaves), len(jax.tree.leaves(micro))
+  n_state = len(jax.tree.leaves(state))
+  # Threaded module state must pass through unchanged for the per-device view.
+  state_in = closed.jaxpr.invars[n_diff + n_micro:]
+  state_out = closed.jaxpr.outvars[len(roles):len(roles) + n_state]
+  roles.extend("state" if v_out is v_in else "state_update"
+               for v_in, v_out in zip(state_in, state_out, strict=True))
+  roles.extend(["sown"] * len(jax.tree.leaves(sown)))
   analysis = _analysis.analyze(
       closed, rows=jax.tree.leaves(micro)[0].shape[0],
-      batch_inputs=range(n_diff, n_diff + len(jax.tree.leaves(micro))),
-      param_inputs=range(n_diff), twice=twice)
+      batch_inputs=range(n_diff, n_diff + n_micro), param_inputs=range(n_diff), twice=twice)
   return analysis, roles
 
 
@@ -519,22 +556,36 @@ def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call)
   rest = jax.tree.map(conform, call.rest, rest_specs)
   arrays = [conform(kw_leaves[i], P()) for i in kw_arrays]
 
-  def local(diff_leaves, rest, arrays):
+  state = jax.tree.map(lambda x: conform(x, P()), call.state)
+
+  def local(diff_leaves, rest, arrays, state):
     leaves = list(kw_leaves)
     for i, array in zip(kw_arrays, arrays, strict=True):
       leaves[i] = array
-    local_call = _Call(diff_leaves, call.diff_def, rest, jax.tree.unflatten(kw_def, leaves))
+    local_call = _Call(diff_leaves, call.diff_def, rest, jax.tree.unflatten(kw_def, leaves),
+                       state, call.modules)
     return _device_loop(config, layout, local_call)
 
   grad_specs = param_specs if config.reduce else (
       [batch_spec] * len(diff_leaves), batch_spec)  # per-device sums and weights
+  # Aux sums are reduced (invariant); Concat rows stay with their device, like the batch.
+  aux_specs = P()
+  if config.has_aux:
+    micro = jax.eval_shape(lambda b: split.micro_batch(b, 0, config.micro_batches),
+                           call.batch(config))
+    aux_shapes = jax.eval_shape(  # typed as the loss sees them per device
+        lambda *a: call.loss(config, *a, 0)[2],
+        *jax.tree.map(lambda x: _gathered(x, axes, batch=True),
+                      (call.diff_leaves, micro, call.state)))
+    aux_specs = jax.tree.map(lambda m: batch_spec if isinstance(m, Concat) else P(),
+                             aux_shapes, is_leaf=_is_marker)
   local = jax.shard_map(
       local, mesh=layout.mesh,
-      in_specs=(param_specs, rest_specs, [P()] * len(arrays)),
-      out_specs=((P(), P()), grad_specs), axis_names=set(axes))
+      in_specs=(param_specs, rest_specs, [P()] * len(arrays), P()),
+      out_specs=((P(), aux_specs), grad_specs, P()), axis_names=set(axes))
   with jax.named_scope(_view.record(path)):
-    value_aux, grad_leaves = local(diff_leaves, rest, arrays)
-  return value_aux, _package(config, call, grad_leaves)
+    value_aux, grad_leaves, after = local(diff_leaves, rest, arrays, state)
+  return value_aux, _package(config, call, grad_leaves), after
 
 
 def _per_rank(config: _Config, layout: sync.Layout, call: _Call):
@@ -560,8 +611,8 @@ def _per_rank(config: _Config, layout: sync.Layout, call: _Call):
   path = _view.Path("device", "per-rank code inside a shard_map over the data axes: "
                     "local sums, one reduction after the loop", layout.data_axes)
   with jax.named_scope(_view.record(path)):
-    value_aux, grad_leaves = _device_loop(config, layout, call, presummed=True)
-  return value_aux, _package(config, call, grad_leaves)
+    value_aux, grad_leaves, after = _device_loop(config, layout, call, presummed=True)
+  return value_aux, _package(config, call, grad_leaves), after
 
 
 def _package(config: _Config, call: _Call, grad_leaves) -> Any:
@@ -598,12 +649,12 @@ def _device_loop(config: _Config, layout: sync.Layout, call: _Call, presummed: b
   # Varying (per-device) params: jax.grad then returns local partial sums, no psum.
   whole = sync.vary(whole, axes)
   accumulators = [sync.vary(jnp.zeros_like(leaf, config.accum_dtype), axes) for leaf in whole]
-  (value, aux), grad_acc, weight, local_weight = _loop(
+  (value, aux), grad_acc, weight, local_weight, after = _loop(
       config, call, axes, whole, gather_in_loop, accumulators, lambda i, acc: acc, presummed)
   with jax.named_scope("fxaccum_reduce"):
     if not config.reduce:  # deferred: each device's sums, one slot per device
       return (value, aux), ([acc[None] for acc in grad_acc],
-                            sync.vary(local_weight, axes)[None])
+                            sync.vary(local_weight, axes)[None]), after
     grads = []
     for acc, leaf, dims, loop_dims in zip(grad_acc, call.diff_leaves, layout.param_dims,
                                           gather_in_loop, strict=True):
@@ -612,7 +663,7 @@ def _device_loop(config: _Config, layout: sync.Layout, call: _Call, presummed: b
       remaining = tuple(a for a in axes if a not in scattered)
       reduced = sync.reduce(acc, remaining, () if loop_dims else dims)
       grads.append(safe_divide(reduced, weight).astype(jnp.result_type(leaf)))
-  return (value, aux), grads
+  return (value, aux), grads, after
 
 
 def _global(config: _Config, layout: sync.Layout, path: _view.Path,
@@ -652,16 +703,16 @@ def _global_loop(config: _Config, layout: sync.Layout, path: _view.Path,
       for i, (leaf, spec, r) in enumerate(zip(call.diff_leaves, specs, reduced, strict=True))]
   path = dataclasses.replace(path, reduced_leaves=sum(map(bool, reduced)), leaves=len(whole))
   with jax.named_scope(_view.record(path)):
-    (value, aux), grad_acc, weight, _ = _loop(config, call, (), whole,
-                                              [()] * len(whole), accumulators, constrain)
+    (value, aux), grad_acc, weight, _, after = _loop(config, call, (), whole,
+                                                     [()] * len(whole), accumulators, constrain)
     with jax.named_scope("fxaccum_reduce"):
       sums = [jax.sharding.reshard(acc, P(*spec)) if r else acc
               for acc, spec, r in zip(grad_acc, specs, reduced, strict=True)]
   if not config.reduce:
-    return (value, aux), _as_unreduced(config, layout, call, sums, weight)
+    return (value, aux), _as_unreduced(config, layout, call, sums, weight), after
   grads = [constrain(i, safe_divide(s, weight).astype(jnp.result_type(leaf)))
            for i, (s, leaf) in enumerate(zip(sums, call.diff_leaves, strict=True))]
-  return (value, aux), jax.tree.unflatten(call.diff_def, grads)
+  return (value, aux), jax.tree.unflatten(call.diff_def, grads), after
 
 
 def _spec_of(leaf: Any, hint: P | None) -> tuple[Any, ...]:
@@ -703,96 +754,154 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
           gather_dims: Sequence[sync.DataDims], accumulators: list[Any],
           constrain: Callable[[int, jax.Array], jax.Array], presummed: bool = False):
   """Sums over the micro-batches of gradients (into ``accumulators``), loss totals,
-  weights and aux; ``axes`` are the manual axes to reduce the scalars over afterwards.
+  weights and aux, threading the module state; ``axes`` are the manual axes to reduce the
+  sums over afterwards.
 
   With ``presummed`` (per-rank code in the caller's shard_map), a loss total, weight or aux
   leaf that depends on the batch but not vary over some of those axes was summed over them
   by the loss itself (its ``psum``) and is not summed again; the gradients always are.
 
-  Returns ``((value, aux), grad_sums, weight, local_weight)``: ``local_weight`` is this
-  device's share of the summed weight (the shares add up to it over ``axes``).
+  Returns ``((value, aux), grad_sums, weight, local_weight, (state, sown))``:
+  ``local_weight`` is this device's share of the summed weight (the shares add up to it
+  over ``axes``), ``sown`` the values sown per micro-batch, stacked.
   """
   k = config.micro_batches
   batch = call.batch(config)
 
-  def micro_loss(leaves, index):
+  def micro_loss(leaves, index, state):
     full = [sync.gather(leaf, dims) for leaf, dims in zip(leaves, gather_dims, strict=True)]
     micro = split.micro_batch(batch, index, k)
-    total, weight, aux = call.loss(config, full, micro, index)
-    return total, (weight, aux)
+    total, weight, aux, state, sown = call.loss(config, full, micro, index, state)
+    return total, (weight, aux, state, sown)
 
   # One micro-step's outputs (abstract, with the manual axes each varies over), to build
   # the loop carry.
-  closed, shapes = jax.make_jaxpr(micro_loss, return_shape=True)(whole, 0)
-  total_aval, (weight_aval, aux_template) = jax.tree.unflatten(
-      jax.tree.structure(shapes), closed.out_avals)
+  closed, shapes = jax.make_jaxpr(micro_loss, return_shape=True)(whole, 0, call.state)
+  out_def = jax.tree.structure(shapes)
+  avals = jax.tree.unflatten(out_def, closed.out_avals)
+  total_aval, (weight_aval, aux_avals, state_avals, _) = avals
   tracked = presummed and sync.tracks_varying(axes)
   depends = (_analysis.depends_on(closed, jax.tree.leaves(batch)) if tracked
              else [False] * len(closed.out_avals))
-  # Per scalar output (total, weight, aux leaves, in order): the manual axes to sum it
-  # over; all of them, but those a batch-dependent value does not vary over.
-  scalar_axes = [tuple(a for a in axes if a in sync.varying_axes(aval)) if dep else axes
-                 for aval, dep in zip(closed.out_avals, depends, strict=True)]
-  in_order = iter(scalar_axes)
 
-  def zeros(x, dtype=None):
-    return sync.vary(jnp.zeros(x.shape, dtype or x.dtype), next(in_order))
+  def sum_over(aval, dep) -> frozenset[str]:
+    """The manual axes to sum a micro-batch sum over: all, but those a batch-dependent
+    value does not vary over (the loss summed it over them)."""
+    return frozenset(a for a in axes if a in sync.varying_axes(aval)) if dep else (
+        frozenset(axes))
+
+  over = jax.tree.unflatten(out_def, [sum_over(a, d) for a, d in zip(
+      closed.out_avals, depends, strict=True)])
+  total_axes, (weight_axes, aux_axes, _, _) = over
+  markers = jax.tree.leaves(aux_avals, is_leaf=_is_marker)
+  marker_axes = jax.tree.leaves(aux_axes, is_leaf=_is_marker)
+  _warn_batch_shaped(markers, jax.tree.leaves(batch)[0].shape[0] // k)
+
+  def zeros(aval, axes_, dtype=None):
+    return sync.vary(jnp.zeros(aval.shape, dtype or aval.dtype), _ordered(axes, axes_))
+
+  def axes_of(aval, axes_, dtype=None):  # like zeros, for the carry's types
+    return axes_
 
   init = (
       accumulators,
-      zeros(total_aval, jnp.promote_types(total_aval.dtype, jnp.float32)),
-      zeros(weight_aval),
-      jax.tree.map(lambda a: _aux_zeros(a, zeros), aux_template, is_leaf=_is_weighted),
+      zeros(total_aval, total_axes, jnp.promote_types(total_aval.dtype, jnp.float32)),
+      zeros(weight_aval, weight_axes),
+      [_aux_zeros(m, ax, zeros) for m, ax in zip(markers, marker_axes, strict=True)],
+      call.state,
   )
+  # The body gives back the same types: accumulators vary over all axes, sums over theirs,
+  # the threaded state over what it varied over on the way in.
   carry_def = jax.tree.structure(init)
-  carry_axes = [axes] * len(accumulators) + scalar_axes  # the body gives back these types
+  carry_axes = ([frozenset(axes)] * len(accumulators) + [total_axes, weight_axes]
+                + jax.tree.leaves([_aux_zeros(m, ax, axes_of)
+                                   for m, ax in zip(markers, marker_axes, strict=True)])
+                + [frozenset(sync.varying_axes(a)) for a in jax.tree.leaves(state_avals)])
 
   def body(carry, index):
-    grad_acc, total_acc, weight_acc, aux_acc = carry
-    (total, (weight, aux)), grads = jax.value_and_grad(micro_loss, has_aux=True)(whole, index)
+    grad_acc, total_acc, weight_acc, aux_acc, state = carry
+    (total, (weight, aux, state, sown)), grads = jax.value_and_grad(
+        micro_loss, has_aux=True)(whole, index, state)
     grad_acc = [constrain(i, acc + g.astype(acc.dtype))
                 for i, (acc, g) in enumerate(zip(grad_acc, grads, strict=True))]
-    aux_acc = jax.tree.map(
-        lambda acc, a: _aux_add(acc, a, weight), aux_acc, aux, is_leaf=_is_weighted
-    )
-    carry = (grad_acc, total_acc + total.astype(total_acc.dtype), weight_acc + weight, aux_acc)
-    leaves = [sync.vary(x, a) for x, a in zip(carry_def.flatten_up_to(carry), carry_axes,
-                                              strict=True)]
-    return carry_def.unflatten(leaves), None
+    values = jax.tree.leaves(aux, is_leaf=_is_marker)
+    aux_acc = [_aux_add(acc, value, weight) for acc, value in zip(aux_acc, values, strict=True)]
+    rows = [v.value if isinstance(v, Concat) else None for v in values]
+    carry = (grad_acc, total_acc + total.astype(total_acc.dtype), weight_acc + weight, aux_acc,
+             state)
+    leaves = [sync.vary(x, _ordered(axes, a)) for x, a in zip(
+        carry_def.flatten_up_to(carry), carry_axes, strict=True)]
+    return carry_def.unflatten(leaves), (rows, sown)
 
-  (grad_acc, total, weight, aux_acc), _ = lax.scan(body, init, jnp.arange(k))
+  (grad_acc, total, weight, aux_acc, state), (rows, sown) = lax.scan(
+      body, init, jnp.arange(k))
+
+  def reduce(x, axes_):
+    return sync.reduce(x, _ordered(axes, axes_))
 
   with jax.named_scope("fxaccum_reduce"):
-    total_axes, weight_axes, *aux_axes = scalar_axes
     shared = [a for a in axes if a not in weight_axes]
     local_weight = weight.astype(jnp.float32) / math.prod(lax.axis_size(a) for a in shared)
-    total, weight = sync.reduce(total, total_axes), sync.reduce(weight, weight_axes)
+    total, weight = reduce(total, total_axes), reduce(weight, weight_axes)
     value = safe_divide(total, weight).astype(total_aval.dtype)
-    aux_leaves, aux_def = jax.tree.flatten(aux_acc)
-    aux_leaves = [sync.reduce(x, a) for x, a in zip(aux_leaves, aux_axes, strict=True)]
-    aux = jax.tree.map(lambda acc: _aux_finish(acc, weight),
-                       jax.tree.unflatten(aux_def, aux_leaves), is_leaf=_is_weighted)
-  return (value, aux), grad_acc, weight, local_weight
+    finished = [_aux_finish(acc, stacked, weight, reduce, ax)
+                for acc, stacked, ax in zip(aux_acc, rows, marker_axes, strict=True)]
+    aux = jax.tree.unflatten(jax.tree.structure(aux_avals, is_leaf=_is_marker), finished)
+  return (value, aux), grad_acc, weight, local_weight, (state, sown)
 
 
-def _aux_zeros(template, zeros):
-  if isinstance(template, Weighted):
-    return Weighted(zeros(template.total, jnp.float32),
-                    zeros(template.weight, weight_dtype(template.weight.dtype)))
-  return zeros(template, jnp.float32)
+def _is_marker(x: Any) -> bool:
+  return isinstance(x, (Weighted, Sum, Concat))
+
+
+def _ordered(axes: tuple[str, ...], subset: frozenset[str]) -> tuple[str, ...]:
+  return tuple(a for a in axes if a in subset)
+
+
+def _warn_batch_shaped(markers: list[Any], rows: int) -> None:
+  for marker in markers:
+    if not _is_marker(marker) and marker.shape[:1] == (rows,) and rows > 1:
+      warnings.warn(
+          f"An aux output of shape {tuple(marker.shape)} has the micro-batch's {rows} rows "
+          "on axis 0: plain aux leaves are averaged over the micro-batches, so per-example "
+          "values would come back as one averaged micro-batch. Wrap per-example outputs in "
+          "fxaccum.Concat(...) to get them for the whole batch, in order.", stacklevel=4)
+
+
+def _aux_zeros(marker, axes_, zeros):
+  """The loop's running sum for one aux output (None for Concat: collected per step)."""
+  if isinstance(marker, Weighted):
+    return Weighted(zeros(marker.total, axes_.total, jnp.float32),
+                    zeros(marker.weight, axes_.weight, weight_dtype(marker.weight.dtype)))
+  if isinstance(marker, Sum):
+    dtype = (jnp.float32 if jnp.issubdtype(marker.value.dtype, jnp.floating)
+             else weight_dtype(marker.value.dtype))
+    return Sum(zeros(marker.value, axes_.value, dtype))
+  if isinstance(marker, Concat):
+    return None
+  return zeros(marker, axes_, jnp.float32)
 
 
 def _aux_add(acc, value, weight):
   if isinstance(acc, Weighted):
     return Weighted(acc.total + value.total.astype(acc.total.dtype),
                     acc.weight + lax.stop_gradient(value.weight).astype(acc.weight.dtype))
+  if isinstance(acc, Sum):
+    return Sum(acc.value + value.value.astype(acc.value.dtype))
+  if acc is None:  # Concat: the loop's ys
+    return None
   # A zero-weight micro-batch contributes nothing, even if its metric is NaN (0/0).
   weighted = jnp.where(weight != 0, value.astype(acc.dtype) * weight.astype(acc.dtype), 0)
   return acc + weighted
 
 
-def _aux_finish(acc, weight):
-  """A reduced aux sum as its mean: by its own weight (Weighted), else the loss's."""
+def _aux_finish(acc, stacked, weight, reduce, axes_):
+  """One aux output after the loop: a weighted mean (by its own weight for ``Weighted``),
+  a sum (``Sum``), or the micro-batches' rows back in the batch's order (``Concat``)."""
   if isinstance(acc, Weighted):
-    return safe_divide(acc.total, acc.weight)
-  return safe_divide(acc, weight)
+    return safe_divide(reduce(acc.total, axes_.total), reduce(acc.weight, axes_.weight))
+  if isinstance(acc, Sum):
+    return reduce(acc.value, axes_.value)
+  if acc is None:  # (k, rows / k, ...) -> rows in the split's order i::k
+    return jnp.swapaxes(stacked, 0, 1).reshape(-1, *stacked.shape[2:])
+  return safe_divide(reduce(acc, axes_), weight)

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Weighted", "safe_divide", "weight_dtype"]
+__all__ = ["Concat", "Sum", "Weighted", "safe_divide", "weight_dtype"]
 
 
 @jax.tree_util.register_dataclass
@@ -51,6 +51,59 @@ class Weighted:
   def value(self) -> jax.Array:
     """``total / weight``, or 0 when the weight is 0."""
     return safe_divide(self.total, self.weight)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Sum:
+  """An aux output summed over all micro-batches and devices, e.g. a count of correct
+  tokens: ``fxaccum.Sum(jnp.sum(mask * correct))``.
+
+  Plain aux leaves are averaged with the loss's weights; a ``Sum`` leaf is added up
+  instead, in float32 (int32 for integer values), and comes back unwrapped.
+
+  Attributes:
+    value: the micro-batch's value (any shape).
+
+  Example:
+    >>> import jax.numpy as jnp, fxaccum
+    >>> def loss(w, x):
+    ...   return jnp.mean(x * w), {"nonzero": fxaccum.Sum(jnp.sum(x != 0))}
+    >>> x = jnp.array([[1.0], [0.0], [3.0], [2.0]])
+    >>> (value, aux), _ = fxaccum.value_and_grad(loss, has_aux=True, micro_batches=2)(
+    ...     jnp.ones(1), x)
+    >>> aux["nonzero"]   # over the whole batch, not per micro-batch
+    Array(3, dtype=int32)
+  """
+
+  value: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Concat:
+  """A per-example aux output (batch on axis 0), returned for the whole batch in the
+  original row order: e.g. ``fxaccum.Concat(logits)`` or per-example losses.
+
+  Each micro-batch's rows are put back where the split took them from, so the result has
+  the batch's leading size and row order (sharded like the batch on a mesh).
+
+  Attributes:
+    value: the micro-batch's per-example values, batch on axis 0.
+
+  Example:
+    >>> import jax.numpy as jnp, fxaccum
+    >>> def loss(w, x):
+    ...   per_example = (x * w)[:, 0]
+    ...   return jnp.mean(per_example), fxaccum.Concat(per_example)
+    >>> x = jnp.arange(6.0).reshape(6, 1)
+    >>> (value, rows), _ = fxaccum.value_and_grad(loss, has_aux=True, micro_batches=3)(
+    ...     jnp.ones(1), x)
+    >>> rows   # all 6 rows, in the batch's order
+    Array([0., 1., 2., 3., 4., 5.], dtype=float32)
+  """
+
+  value: Any
 
 
 def weight_dtype(weight: Any) -> jnp.dtype:

@@ -151,3 +151,33 @@ def test_quickstart_scripts_run():
   assert re.search(r"all-reduce\s+top\s+data\s", outputs[0]), outputs[0]
   assert "loop" not in outputs[0], outputs[0]
   assert re.findall(r"call (\d): optimizer step (\d)", outputs[1]) == [("3", "1"), ("7", "2")]
+
+
+def run_python(code: str) -> str:
+  result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, f"{code}\n{result.stdout}\n{result.stderr}"
+  return result.stdout
+
+
+def test_nnx_page_scripts_run():
+  """docs/nnx.md's in-step (BatchNorm + Dropout + nnx.Optimizer) and cross-step
+  (fxaccum.Optimizer) scripts run as written and print what the page says."""
+  instep, crossstep = python_blocks("nnx.md")
+  out = run_python(instep)
+  assert len(re.findall(r"step \d: loss [\d.]+", out)) == 5, out
+  assert "BatchNorm running mean moved: True" in out, out
+  assert "RNG count after 5 steps of 4 micro-batches: 20" in out, out
+  out = run_python(crossstep)
+  assert re.findall(r"call (\d): optimizer step (\d)", out) == [("3", "1"), ("7", "2")], out
+
+
+def test_metrics_script_runs():
+  """docs/instep.md#metrics: every marked aux leaf equals the whole batch's metric."""
+  (code,) = python_blocks("instep.md")[-1:]
+  out = run_python(code)
+  accuracy = re.search(r"accuracy\s+(\S+) whole batch: (\S+)", out).groups()
+  assert abs(float(accuracy[0]) - float(accuracy[1])) < 1e-6, out
+  correct = re.search(r"correct tokens\s+(\d+) whole batch: (\d+)", out).groups()
+  assert correct[0] == correct[1], out
+  assert "equal to the whole batch's: True" in out, out
