@@ -77,9 +77,10 @@ class _View:
   tree: Any
   tx: Any
   params: Any  # the params inside ``tree`` (to read accumulate's config and shardings)
+  opt_state: Any = None  # the optimizer state inside ``tree`` (raw pytrees)
 
 
-def _view(state: Any, model: Any = None) -> _View:
+def _view(state: Any, model: Any = None, tx: Any = None) -> _View:
   if isinstance(state, fx_flax.Optimizer):
     if model is None:
       raise TypeError(
@@ -87,11 +88,30 @@ def _view(state: Any, model: Any = None) -> _View:
           "fxaccum.checkpoint.save(manager, step, optimizer, model=model).")
     params = nnx.as_pure(nnx.state(model, state.wrt, graph=state.graph))
     tree = {"model": nnx.as_pure(nnx.state(model)), "optimizer": nnx.as_pure(nnx.state(state))}
-    return _View(tree, state.tx, params)
+    return _View(tree, state.tx, params, tree["optimizer"]["opt_state"])
   if isinstance(state, fx_flax.TrainState):
     tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
-    return _View(tree, state.tx, state.params)
+    return _View(tree, state.tx, state.params, state.opt_state)
+  if _accumulate_states(state):
+    if tx is None:
+      raise TypeError(
+          "This state holds an fxaccum.AccumulateState but is not a TrainState or "
+          "Optimizer, so fxaccum cannot see its every_k: pass the optax chain, "
+          "save(manager, step, state, tx=tx) and restore(..., tx=tx), and the state as "
+          "(params, opt_state) (or a dict with 'params' and 'opt_state').")
+    params, opt_state = _params_and_opt_state(state)
+    return _View(state, tx, params, opt_state)
   return _View(state, None, None)
+
+
+def _params_and_opt_state(state: Any) -> tuple[Any, Any]:
+  if isinstance(state, dict) and {"params", "opt_state"} <= set(state):
+    return state["params"], state["opt_state"]
+  if isinstance(state, (tuple, list)) and len(state) == 2:
+    return state[0], state[1]
+  raise TypeError(
+      "A raw state with an fxaccum.AccumulateState must be (params, opt_state) or a dict "
+      "with 'params' and 'opt_state', so its optimizer can be read.")
 
 
 def _accumulate_states(tree: Any) -> list[tuple[str, transform.AccumulateState]]:
@@ -101,21 +121,22 @@ def _accumulate_states(tree: Any) -> list[tuple[str, transform.AccumulateState]]
 
 
 def _describe(view: _View) -> dict[str, Any]:
-  """The ``fxaccum`` metadata item: schema and each AccumulateState's configuration."""
+  """The ``fxaccum`` metadata item: schema and each AccumulateState's configuration: its
+  ``every_k``, or for a schedule the length of the window it is in."""
   accumulators = {}
-  config = None  # known for TrainState / Optimizer, whose params the gate's probe needs
+  config = None
   if view.tx is not None and _accumulate_states(view.tree):
-    opt_state = view.tree["opt_state"] if "opt_state" in view.tree else \
-        view.tree["optimizer"]["opt_state"]
-    config = transform.probe_config(view.tx, opt_state, view.params, {})
+    config = transform.probe_config(view.tx, view.opt_state, view.params, {})
   for index, (path, state) in enumerate(_accumulate_states(view.tree)):
-    every_k = None if config is None or callable(config.every_k) else config.every_k
-    accumulators[path] = {
-        "index": index,
-        "every_k": every_k,
-        # Per-device (deferred-sync) accumulators carry a device axis, also on the weight.
-        "devices": int(jnp.shape(state.weight)[0]) if jnp.ndim(state.weight) else None,
-    }
+    entry = {"index": index,
+             # Per-device (deferred-sync) accumulators carry a device axis, also on the weight.
+             "devices": int(jnp.shape(state.weight)[0]) if jnp.ndim(state.weight) else None}
+    if config is not None and not callable(config.every_k):
+      entry["every_k"] = config.every_k
+    if config is not None and not isinstance(state.optimizer_step, jax.ShapeDtypeStruct):
+      step = int(state.optimizer_step[...])
+      entry.update(optimizer_step=step, window=int(config.window(jnp.int32(step))))
+    accumulators[path] = entry
   return {"schema": SCHEMA_VERSION, "accumulators": accumulators}
 
 
@@ -148,7 +169,7 @@ def _sum_devices(per_device: dict[str, Any]) -> dict[str, Any]:
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, *, model: Any = None,
-         force: bool = False) -> bool:
+         tx: Any = None, overwrite: bool = False, force: bool = False) -> bool:
   """Saves ``state`` at ``step`` with Orbax's standard handlers (asynchronously).
 
   Args:
@@ -156,9 +177,13 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, *, model: Any = 
     step: the checkpoint's step number (e.g. the number of calls so far, so mid-window
       checkpoints get distinct numbers).
     state: an ``fxaccum.TrainState``, an ``fxaccum.Optimizer`` (pass ``model=``) or any
-      pytree of arrays (e.g. an in-step ``(params, opt_state)``). ``every_k`` is recorded,
-      and checked on restore, for the first two, whose optimizer fxaccum can inspect.
+      pytree of arrays (e.g. an in-step ``(params, opt_state)``). ``every_k`` (for a
+      schedule: the length of the current window) is recorded and checked on restore.
     model: the NNX model of an ``fxaccum.Optimizer``.
+    tx: the optax chain of a raw ``(params, opt_state)`` state that holds an
+      ``fxaccum.AccumulateState`` (required there, to record ``every_k``).
+    overwrite: replace an existing checkpoint at ``step``; without it saving an existing
+      step is an error (Orbax would skip it silently).
     force: passed to ``manager.save``.
 
   Returns:
@@ -176,7 +201,19 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, *, model: Any = 
     >>> manager.all_steps()
     [1, 2, 3]
   """
-  view = _view(state, model)
+  if not manager.directory.is_absolute():
+    raise ValueError(
+        f"The checkpoint directory {str(manager.directory)!r} is relative; Orbax needs an "
+        "absolute path (a relative one fails later, in its background thread). Build the "
+        "manager with an absolute path, e.g. ocp.CheckpointManager(os.path.abspath(dir)).")
+  if step in manager.all_steps():
+    if not overwrite:
+      raise ValueError(
+          f"Step {step} is already saved in {manager.directory}; Orbax would skip this save "
+          "and keep the old one. Save under a new step number, or pass overwrite=True.")
+    manager.wait_until_finished()
+    manager.delete(step)
+  view = _view(state, model, tx)
   meta = _describe(view)
   canonical, raw = _canonical(view.tree, meta)
   items = {_STATE: ocp.args.StandardSave(canonical), _META: ocp.args.JsonSave(meta)}
@@ -186,7 +223,7 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, *, model: Any = 
 
 
 def restore(manager: ocp.CheckpointManager, step: int | None, like: Any, *,
-            model: Any = None, mesh: Any = None) -> Any:
+            model: Any = None, tx: Any = None, mesh: Any = None) -> Any:
   """Restores step ``step`` (``None``: the latest) onto the layout of ``like``.
 
   Args:
@@ -197,6 +234,7 @@ def restore(manager: ocp.CheckpointManager, step: int | None, like: Any, *,
       ``model=``; both are updated in place) or a raw pytree. Every array is restored
       with ``like``'s sharding; accumulators take their params' sharding.
     model: the NNX model of an ``fxaccum.Optimizer``.
+    tx: the optax chain of a raw ``(params, opt_state)`` target (as for :func:`save`).
     mesh: a concrete mesh to rebuild shardings that are on an abstract mesh (e.g. from
       ``nnx.eval_shape`` under ``jax.set_mesh``); default: the ``jax.set_mesh`` mesh.
 
@@ -205,6 +243,8 @@ def restore(manager: ocp.CheckpointManager, step: int | None, like: Any, *,
     place, together with ``model``) for an ``fxaccum.Optimizer``.
 
   Raises:
+    FileNotFoundError: no such step (the message lists the saved ones), an incomplete
+      step (a save that did not finish), or no checkpoint at all in the directory.
     CheckpointMismatchError: no fxaccum metadata, another schema version, another
       ``every_k`` or another tree; the message names what differs.
 
@@ -220,15 +260,12 @@ def restore(manager: ocp.CheckpointManager, step: int | None, like: Any, *,
     (1, Array([1., 1.], dtype=float32))
   """
   manager.wait_until_finished()
-  if step is None:
-    step = manager.latest_step()
-    if step is None:
-      raise FileNotFoundError(f"No complete checkpoint in {manager.directory}.")
+  step = _existing_step(manager, step)
   saved_meta = None
   if (manager.directory / str(step) / _META).exists():
     saved_meta = manager.restore(step, args=ocp.args.Composite(
         **{_META: ocp.args.JsonRestore()}))[_META]
-  view = _view(like, model)
+  view = _view(like, model, tx)
   meta = _describe(view)
   _check(saved_meta, meta, manager, view, step)
 
@@ -244,6 +281,27 @@ def restore(manager: ocp.CheckpointManager, step: int | None, like: Any, *,
   out = manager.restore(step, args=ocp.args.Composite(**restore_items))
   tree = _expand(out[_STATE], view.tree, out.get(_PER_DEVICE) or {}, meta)
   return _rebuild(like, model, tree)
+
+
+def _existing_step(manager: ocp.CheckpointManager, step: int | None) -> int:
+  """``step`` (None: the latest) if the directory holds it complete; else an error that
+  says what is there."""
+  steps = manager.all_steps()
+  if not steps:
+    raise FileNotFoundError(
+        f"No checkpoint in {manager.directory}: it holds no complete step. Check the path "
+        "(ocp.CheckpointManager creates a missing directory; construct it with "
+        "options=ocp.CheckpointManagerOptions(create=False) to be told instead).")
+  if step is None:
+    return manager.latest_step()
+  if step not in steps:
+    partial = (manager.directory / str(step)).exists()
+    why = ("is incomplete: a save that did not finish (e.g. killed), or a step Orbax was "
+           "deleting" if partial else "does not exist")
+    raise FileNotFoundError(
+        f"Checkpoint step {step} in {manager.directory} {why}. Saved steps: "
+        f"{_listing(set(steps), 20)}; restore one of them (None: the latest).")
+  return step
 
 
 def _check(saved_meta, meta, manager, view, step) -> None:
@@ -262,25 +320,41 @@ def _check(saved_meta, meta, manager, view, step) -> None:
     raise CheckpointMismatchError(
         f"Checkpoint step {step} holds AccumulateStates at {sorted(saved_acc)}, the target at "
         f"{sorted(acc)}. Build the target with the same optax chain as the saved state.")
-  for key, cfg in acc.items():
-    before = saved_acc[key].get("every_k")
-    if before is not None and cfg.get("every_k") is not None and before != cfg["every_k"]:
+  config = (transform.probe_config(view.tx, view.opt_state, view.params, {})
+            if view.tx is not None and acc else None)
+  for key in acc:
+    saved = saved_acc[key]
+    if config is None or "window" not in saved:
+      continue
+    # The window the saved state is in, and the target's at that optimizer step.
+    window = int(config.window(jnp.int32(saved["optimizer_step"])))
+    if window != saved["window"]:
+      what = (f"accumulate(every_k={saved['every_k']})" if "every_k" in saved else
+              f"an every_k schedule giving {saved['window']} calls at optimizer step "
+              f"{saved['optimizer_step']}")
+      target = (f"every_k={config.every_k}" if not callable(config.every_k) else
+                f"a schedule giving {window} calls there")
       raise CheckpointMismatchError(
-          f"Checkpoint step {step} was saved with accumulate(every_k={before}) at {key}, the "
-          f"target uses every_k={cfg['every_k']}. Restore with every_k={before}, or restore "
-          "at a window boundary (micro_step 0) after rebuilding the optimizer state.")
+          f"Checkpoint step {step} was saved with {what} at {key}; the target uses "
+          f"{target}. Restore with the same every_k (or schedule), or restore at a window "
+          "boundary (micro_step 0) after rebuilding the optimizer state.")
   # Read from the files: a fresh manager has no handlers registered to report it.
   saved_tree = ocp.StandardCheckpointHandler().metadata(
       manager.directory / str(step) / _STATE).tree
   saved_paths = _paths_and_shapes(saved_tree)
   target_paths = _paths_and_shapes(_canonical(view.tree, meta)[0])
   if saved_paths != target_paths:
-    missing = sorted(set(saved_paths) - set(target_paths))[:5]
-    extra = sorted(set(target_paths) - set(saved_paths))[:5]
     raise CheckpointMismatchError(
-        f"Checkpoint step {step} and the target differ: only in the checkpoint: {missing}; "
-        f"only in the target: {extra} (path, shape). Build the target like the saved state "
-        "(same model, params and optax chain).")
+        f"Checkpoint step {step} and the target differ: only in the checkpoint: "
+        f"{_listing(set(saved_paths) - set(target_paths))}; only in the target: "
+        f"{_listing(set(target_paths) - set(saved_paths))} (path, shape). Build the target "
+        "like the saved state (same model, params and optax chain).")
+
+
+def _listing(items: set, shown: int = 5) -> str:
+  ordered = sorted(items)
+  more = f" and {len(ordered) - shown} more" if len(ordered) > shown else ""
+  return f"{ordered[:shown]}{more}"
 
 
 def _paths_and_shapes(tree: Any) -> set[tuple[str, tuple[int, ...]]]:

@@ -34,6 +34,7 @@ from fxaccum.weighted import Concat, Sum, Weighted, safe_divide, weight_dtype
 __all__ = ["value_and_grad", "grad"]
 
 FsdpReduce = Literal["per_micro_batch", "per_step"]
+LossReduction = Literal["mean", "sum"]
 
 
 def value_and_grad(
@@ -50,6 +51,8 @@ def value_and_grad(
     reduce: bool = True,
     view: _view.View = "auto",
     param_shardings: Any = None,
+    skip_nonfinite: bool = False,
+    loss_reduction: LossReduction = "mean",
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, over ``micro_batches`` micro-batches of the batch.
 
@@ -117,6 +120,16 @@ def value_and_grad(
       reduced loss). Feed them to a chain with ``fxaccum.accumulate(k, data_axes=...)``.
       Params must be replicated over the data axes.
     view: ``"auto"`` (default), ``"device"`` or ``"global"``; see above.
+    skip_nonfinite: drop a micro-batch whose loss or gradient is not finite: it
+      contributes nothing (weight 0), and its module state update is not kept. The result
+      is that of the batch without those examples. The number of micro-batches skipped
+      (per device in the per-device view, summed over devices) comes back beside the aux:
+      the function returns ``((value, skipped), grads)``, or ``((value, (aux, skipped)),
+      grads)`` with ``has_aux=True``.
+    loss_reduction: ``"mean"`` (default: the weighted mean over micro-batches, see above)
+      or ``"sum"``: the loss is already normalized globally, or is a plain sum (e.g.
+      divided by a global token count, the Hugging Face ``num_items_in_batch`` pattern),
+      and the value and gradients are its sums over the micro-batches (and devices).
     param_shardings: the params' shardings where JAX does not show them (inside
       ``jax.jit`` on an ``Auto`` mesh): a tree of ``PartitionSpec`` / ``NamedSharding``
       (or None) with the structure of the differentiated argument (a tuple of trees for
@@ -126,7 +139,8 @@ def value_and_grad(
 
   Returns:
     A function with the signature of ``fun`` returning ``(value, grads)``, or
-    ``((value, aux), grads)`` with ``has_aux=True``.
+    ``((value, aux), grads)`` with ``has_aux=True`` (see ``skip_nonfinite`` for its
+    count).
 
   Raises:
     ValueError / TypeError: for a bad ``micro_batches``, overlapping or out-of-range
@@ -146,6 +160,56 @@ def value_and_grad(
     >>> bool(jnp.allclose(value, ref_value)), bool(jnp.allclose(g, ref_g))
     (True, True)
   """
+  config = _make_config(
+      fun, argnums, has_aux, micro_batches=micro_batches, batch_argnums=batch_argnums,
+      rng_argnums=rng_argnums, accum_dtype=accum_dtype, fsdp_reduce=fsdp_reduce,
+      reduce=reduce, view=view, skip_nonfinite=skip_nonfinite, loss_reduction=loss_reduction)
+  axes_override = None if data_axes is None else _as_axes(data_axes)
+  shardings = (None if param_shardings is None
+               else (param_shardings,) if config.single_argnum else tuple(param_shardings))
+  compiled: dict[Any, Callable[..., Any]] = {}
+
+  @functools.wraps(fun)
+  def value_and_grad_fn(*args, **kwargs):
+    return _call(config, axes_override, shardings, compiled, args, kwargs)
+
+  return value_and_grad_fn
+
+
+def grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    **kwargs: Any,
+) -> Callable[..., Any]:
+  """Like ``jax.grad``, over micro-batches; see :func:`value_and_grad` for the arguments.
+
+  Returns ``grads``, or ``(grads, aux)`` with ``has_aux=True`` (and with
+  ``skip_nonfinite=True``: see :func:`value_and_grad`).
+
+  Example:
+    >>> import jax.numpy as jnp, fxaccum
+    >>> def loss(w, x):
+    ...   return fxaccum.Weighted(total=jnp.sum(x * w), weight=jnp.sum(x != 0))
+    >>> x = jnp.array([[1.0], [0.0], [3.0], [0.0]])   # two padding rows
+    >>> fxaccum.grad(loss, micro_batches=2)(jnp.ones(1), x)   # (1 + 3) / 2 tokens
+    Array([2.], dtype=float32)
+  """
+  value_and_grad_fn = value_and_grad(fun, argnums, has_aux, **kwargs)
+  with_aux = has_aux or kwargs.get("skip_nonfinite", False)
+
+  @functools.wraps(fun)
+  def grad_fn(*args, **call_kwargs):
+    value, grads = value_and_grad_fn(*args, **call_kwargs)
+    return (grads, value[1]) if with_aux else grads
+
+  return grad_fn
+
+
+def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, rng_argnums,
+                 accum_dtype, fsdp_reduce, reduce, view, skip_nonfinite,
+                 loss_reduction) -> _Config:
+  """Validates ``value_and_grad``'s arguments (all static) into a :class:`_Config`."""
   micro_batches = split.check_micro_batches(micro_batches)
   argnums, filters = _nnx.argnums_and_filters(argnums)
   diff_argnums = split.as_argnums(argnums, "argnums")
@@ -164,105 +228,93 @@ def value_and_grad(
         f"{sorted(set(batch_argnums_t) & set(rng_argnums_t))}; keys in the batch are already "
         "split per micro-batch, so leave them out of rng_argnums."
     )
-  if fsdp_reduce not in ("per_micro_batch", "per_step"):
+  choices = (("fsdp_reduce", fsdp_reduce, ("per_micro_batch", "per_step")),
+             ("view", view, ("auto", "global", "device")),
+             ("loss_reduction", loss_reduction, ("mean", "sum")))
+  for name, value, allowed in choices:
+    if value not in allowed:
+      raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+  if loss_reduction == "sum" and not reduce:
     raise ValueError(
-        f"fsdp_reduce must be 'per_micro_batch' or 'per_step', got {fsdp_reduce!r}."
-    )
-  if view not in ("auto", "global", "device"):
-    raise ValueError(f"view must be 'auto', 'global' or 'device', got {view!r}.")
-  axes_override = None if data_axes is None else _as_axes(data_axes)
+        "loss_reduction='sum' with reduce=False: cross-step accumulation averages its calls "
+        "by their weights. Return fxaccum.Weighted(total, count) from the loss instead.")
   accum_dtype = jnp.dtype(accum_dtype)
   if not jnp.issubdtype(accum_dtype, jnp.floating):
     raise TypeError(f"accum_dtype must be a float dtype, got {accum_dtype}.")
-  single_argnum = isinstance(argnums, int)
-  config = _Config(
-      fun=fun,
-      has_aux=has_aux,
-      micro_batches=micro_batches,
-      diff_argnums=diff_argnums,
-      single_argnum=single_argnum,
-      batch_argnums=batch_argnums_t,
-      rng_argnums=rng_argnums_t,
-      accum_dtype=accum_dtype,
-      fsdp_reduce=fsdp_reduce,
-      reduce=bool(reduce),
-      view=view,
-  )
-  shardings = (None if param_shardings is None
-               else (param_shardings,) if single_argnum else tuple(param_shardings))
-  compiled_for_layout: dict[Any, Callable[..., Any]] = {}
+  return _Config(
+      fun=fun, has_aux=has_aux, micro_batches=micro_batches, diff_argnums=diff_argnums,
+      single_argnum=isinstance(argnums, int), filters=filters, batch_argnums=batch_argnums_t,
+      rng_argnums=rng_argnums_t, accum_dtype=accum_dtype, fsdp_reduce=fsdp_reduce,
+      reduce=bool(reduce), view=view, skip_nonfinite=bool(skip_nonfinite),
+      loss_reduction=loss_reduction)
 
-  @functools.wraps(fun)
-  def value_and_grad_fn(*args, **kwargs):
-    highest = max((*diff_argnums, *batch_argnums_t, *rng_argnums_t))
-    if highest >= len(args):
-      raise TypeError(
-          f"{getattr(fun, '__name__', 'fun')} was called with {len(args)} positional "
-          f"arguments, but argnums/batch_argnums/rng_argnums refer to argument {highest}. "
-          "Pass the params and the batch positionally."
-      )
-    module_args = args
-    args, state, sown, modules = _nnx.Modules.split(args, diff_argnums, filters)
-    diff = [args[i] for i in diff_argnums]
-    batch = [args[i] for i in batch_argnums_t]
-    other = [a for i, a in enumerate(args) if i not in diff_argnums + batch_argnums_t]
-    _check_differentiable(diff, diff_argnums)
-    diff_leaves = jax.tree.leaves(diff)
-    layout = sync.plan(diff_leaves, jax.tree.leaves(batch), jax.tree.leaves((other, state)),
-                       axes_override, sync.param_hints(diff, shardings))
-    split.leading_size(batch, micro_batches, layout.data_devices)
-    if not reduce and any(layout.param_dims):
+
+def _call(config: _Config, axes_override, shardings, compiled: dict, args: tuple,
+          kwargs: dict) -> Any:
+  """One call of the function ``value_and_grad`` returned."""
+  highest = max((*config.diff_argnums, *config.batch_argnums, *config.rng_argnums))
+  if highest >= len(args):
+    raise TypeError(
+        f"{getattr(config.fun, '__name__', 'fun')} was called with {len(args)} positional "
+        f"arguments, but argnums/batch_argnums/rng_argnums refer to argument {highest}. "
+        "Pass the params and the batch positionally."
+    )
+  module_args = args
+  args, state, sown, modules = _nnx.Modules.split(args, config.diff_argnums, config.filters)
+  diff = [args[i] for i in config.diff_argnums]
+  batch = [args[i] for i in config.batch_argnums]
+  other = [a for i, a in enumerate(args)
+           if i not in config.diff_argnums + config.batch_argnums]
+  _check_differentiable(diff, config.diff_argnums)
+  layout = sync.plan(jax.tree.leaves(diff), jax.tree.leaves(batch),
+                     jax.tree.leaves((other, state)), axes_override,
+                     sync.param_hints(diff, shardings))
+  rows = split.leading_size(batch, config.micro_batches, layout.data_devices)
+  _check_kwargs(kwargs, rows, config)
+  if not config.reduce and any(layout.param_dims):
+    raise ValueError(
+        "reduce=False keeps one full gradient per device, so it needs params replicated "
+        "over the data axes, but some params are sharded over them (FSDP). Use reduce=True "
+        "(the default) with a cross-step accumulate() without data_axes."
+    )
+  # Keyword arguments reach `fun` as given (like jax.value_and_grad): not split, not
+  # differentiated; an eager call compiles once per layout and static keyword values.
+  kw_leaves, kw_def = jax.tree.flatten(kwargs)
+  dynamic = [i for i, leaf in enumerate(kw_leaves) if _is_array(leaf)]
+
+  def run(packed, kw_arrays):
+    leaves = list(kw_leaves)
+    for i, array in zip(dynamic, kw_arrays, strict=True):
+      leaves[i] = array
+    return _run(config, layout, jax.tree.unflatten(kw_def, leaves), modules, packed)
+
+  kw_arrays = [kw_leaves[i] for i in dynamic]
+  if _is_traced(args, kwargs, state):
+    out, (state, new_sown) = run((args, state), kw_arrays)
+  else:
+    key = (layout, modules, kw_def,
+           tuple((i, leaf) for i, leaf in enumerate(kw_leaves) if i not in dynamic))
+    try:
+      jitted = compiled.setdefault(key, jax.jit(run))
+    except TypeError:  # an unhashable static keyword value: compile for this call only
+      jitted = jax.jit(run)
+    out, (state, new_sown) = jitted((args, state), kw_arrays)
+  if modules is not None:  # as nnx.value_and_grad does: the modules' state, in place
+    modules.update(module_args, state, sown, new_sown)
+  return out
+
+
+def _check_kwargs(kwargs: dict, rows: int, config: _Config) -> None:
+  """Keyword arguments are shared by all micro-batches: one with the batch's rows on
+  axis 0 is most likely batch data that would not be split."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(kwargs)[0]:
+    shape = jnp.shape(leaf) if _is_array(leaf) else ()
+    if rows > 1 and shape[:1] == (rows,):
       raise ValueError(
-          "reduce=False keeps one full gradient per device, so it needs params replicated "
-          "over the data axes, but some params are sharded over them (FSDP). Use reduce=True "
-          "(the default) with a cross-step accumulate() without data_axes."
-      )
-
-    # Keyword arguments reach `fun` as given (like jax.value_and_grad): not split, not
-    # differentiated, not traced by fxaccum.
-    run = functools.partial(_run, config, layout, kwargs, modules)
-    if _is_traced(args, kwargs, state):
-      out, (state, new_sown) = run((args, state))
-    elif kwargs:  # eager: compile the whole accumulation, once per layout without kwargs
-      out, (state, new_sown) = jax.jit(run)((args, state))
-    else:
-      key = (layout, modules)
-      if key not in compiled_for_layout:
-        compiled_for_layout[key] = jax.jit(run)
-      out, (state, new_sown) = compiled_for_layout[key]((args, state))
-    if modules is not None:  # as nnx.value_and_grad does: the modules' state, in place
-      modules.update(module_args, state, sown, new_sown)
-    return out
-
-  return value_and_grad_fn
-
-
-def grad(
-    fun: Callable[..., Any],
-    argnums: int | Sequence[int] = 0,
-    has_aux: bool = False,
-    **kwargs: Any,
-) -> Callable[..., Any]:
-  """Like ``jax.grad``, over micro-batches; see :func:`value_and_grad` for the arguments.
-
-  Returns ``grads``, or ``(grads, aux)`` with ``has_aux=True``.
-
-  Example:
-    >>> import jax.numpy as jnp, fxaccum
-    >>> def loss(w, x):
-    ...   return fxaccum.Weighted(total=jnp.sum(x * w), weight=jnp.sum(x != 0))
-    >>> x = jnp.array([[1.0], [0.0], [3.0], [0.0]])   # two padding rows
-    >>> fxaccum.grad(loss, micro_batches=2)(jnp.ones(1), x)   # (1 + 3) / 2 tokens
-    Array([2.], dtype=float32)
-  """
-  value_and_grad_fn = value_and_grad(fun, argnums, has_aux, **kwargs)
-
-  @functools.wraps(fun)
-  def grad_fn(*args, **call_kwargs):
-    value, grads = value_and_grad_fn(*args, **call_kwargs)
-    return (grads, value[1]) if has_aux else grads
-
-  return grad_fn
+          f"Keyword argument {jax.tree_util.keystr(path)} has the batch's {rows} rows on "
+          "axis 0, but keyword arguments are passed to every micro-batch whole, not split. "
+          "Pass batch data positionally and list its position in batch_argnums (now "
+          f"{config.batch_argnums}).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,12 +326,15 @@ class _Config:
   micro_batches: int
   diff_argnums: tuple[int, ...]
   single_argnum: bool
+  filters: dict[int, Any]
   batch_argnums: tuple[int, ...]
   rng_argnums: tuple[int, ...]
   accum_dtype: Any
   fsdp_reduce: FsdpReduce
   reduce: bool
   view: _view.View
+  skip_nonfinite: bool
+  loss_reduction: LossReduction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,15 +373,26 @@ class _Call:
       out = config.fun(*call_args, **self.kwargs)
     state, sown = after() if after is not None else ((), ())
     loss, aux = _split_output(out, config.has_aux)
+    if config.loss_reduction == "sum" and isinstance(loss, Weighted):
+      raise TypeError(
+          "loss_reduction='sum' adds up the loss as returned, but the loss returned "
+          "fxaccum.Weighted, which is normalized by its weight. Return a scalar (a loss "
+          "already divided by a global count, or a plain sum), or use the default "
+          "loss_reduction='mean'.")
     total, weight = _total_and_weight(loss)
     return total, weight, aux, state, sown
 
 
 def _as_axes(data_axes: str | Sequence[str]) -> tuple[str, ...]:
-  axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
-  if not all(isinstance(a, str) for a in axes):
-    raise TypeError(f"data_axes must be a mesh axis name or a tuple of them, got {data_axes!r}.")
-  return axes
+  if isinstance(data_axes, str):
+    return (data_axes,)
+  if not isinstance(data_axes, (tuple, list)) or not all(isinstance(a, str) for a in data_axes):
+    raise TypeError(
+        f"data_axes must be a mesh axis name or a tuple of them (or () for none), got "
+        f"{data_axes!r}.")
+  if len(set(data_axes)) != len(data_axes):
+    raise ValueError(f"data_axes names an axis twice: {tuple(data_axes)}.")
+  return tuple(data_axes)
 
 
 def _is_traced(*trees: Any) -> bool:
@@ -425,7 +491,8 @@ def _run(config: _Config, layout: sync.Layout, kwargs: dict, modules: _nnx.Modul
       value_aux, grads, after = _global(config, layout, path, reducible, call)
   if config.single_argnum and not isinstance(grads, sync.Unreduced):
     grads = grads[0]
-  result = (value_aux, grads) if config.has_aux else (value_aux[0], grads)
+  keep_aux = config.has_aux or config.skip_nonfinite
+  result = (value_aux, grads) if keep_aux else (value_aux[0], grads)
   return result, after
 
 
@@ -579,6 +646,8 @@ def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call)
                       (call.diff_leaves, micro, call.state)))
     aux_specs = jax.tree.map(lambda m: batch_spec if isinstance(m, Concat) else P(),
                              aux_shapes, is_leaf=_is_marker)
+  if config.skip_nonfinite:
+    aux_specs = (aux_specs, P()) if config.has_aux else P()
   local = jax.shard_map(
       local, mesh=layout.mesh,
       in_specs=(param_specs, rest_specs, [P()] * len(arrays), P()),
@@ -809,6 +878,7 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
       zeros(weight_aval, weight_axes),
       [_aux_zeros(m, ax, zeros) for m, ax in zip(markers, marker_axes, strict=True)],
       call.state,
+      sync.vary(jnp.zeros((), jnp.int32), axes),  # micro-batches skipped (skip_nonfinite)
   )
   # The body gives back the same types: accumulators vary over all axes, sums over theirs,
   # the threaded state over what it varied over on the way in.
@@ -816,24 +886,31 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
   carry_axes = ([frozenset(axes)] * len(accumulators) + [total_axes, weight_axes]
                 + jax.tree.leaves([_aux_zeros(m, ax, axes_of)
                                    for m, ax in zip(markers, marker_axes, strict=True)])
-                + [frozenset(sync.varying_axes(a)) for a in jax.tree.leaves(state_avals)])
+                + [frozenset(sync.varying_axes(a)) for a in jax.tree.leaves(state_avals)]
+                + [frozenset(axes)])
 
   def body(carry, index):
-    grad_acc, total_acc, weight_acc, aux_acc, state = carry
+    grad_acc, total_acc, weight_acc, aux_acc, old_state, skipped = carry
     (total, (weight, aux, state, sown)), grads = jax.value_and_grad(
-        micro_loss, has_aux=True)(whole, index, state)
+        micro_loss, has_aux=True)(whole, index, old_state)
+    if config.skip_nonfinite:  # a non-finite micro-batch contributes nothing
+      good = jnp.isfinite(total) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g))
+                                                        for g in grads]))
+      total, weight, grads, aux, state = _drop_unless(
+          good, (total, weight, grads, aux, state), old_state)
+      skipped = skipped + (~good).astype(skipped.dtype)
     grad_acc = [constrain(i, acc + g.astype(acc.dtype))
                 for i, (acc, g) in enumerate(zip(grad_acc, grads, strict=True))]
     values = jax.tree.leaves(aux, is_leaf=_is_marker)
     aux_acc = [_aux_add(acc, value, weight) for acc, value in zip(aux_acc, values, strict=True)]
     rows = [v.value if isinstance(v, Concat) else None for v in values]
     carry = (grad_acc, total_acc + total.astype(total_acc.dtype), weight_acc + weight, aux_acc,
-             state)
+             state, skipped)
     leaves = [sync.vary(x, _ordered(axes, a)) for x, a in zip(
         carry_def.flatten_up_to(carry), carry_axes, strict=True)]
     return carry_def.unflatten(leaves), (rows, sown)
 
-  (grad_acc, total, weight, aux_acc, state), (rows, sown) = lax.scan(
+  (grad_acc, total, weight, aux_acc, state, skipped), (rows, sown) = lax.scan(
       body, init, jnp.arange(k))
 
   def reduce(x, axes_):
@@ -843,11 +920,35 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
     shared = [a for a in axes if a not in weight_axes]
     local_weight = weight.astype(jnp.float32) / math.prod(lax.axis_size(a) for a in shared)
     total, weight = reduce(total, total_axes), reduce(weight, weight_axes)
-    value = safe_divide(total, weight).astype(total_aval.dtype)
     finished = [_aux_finish(acc, stacked, weight, reduce, ax)
                 for acc, stacked, ax in zip(aux_acc, rows, marker_axes, strict=True)]
     aux = jax.tree.unflatten(jax.tree.structure(aux_avals, is_leaf=_is_marker), finished)
+    if config.skip_nonfinite:  # documented: beside the aux, or in its place
+      skipped = reduce(skipped, frozenset(axes))
+      aux = (aux, skipped) if config.has_aux else skipped
+    if config.loss_reduction == "sum":  # no normalization: sums over micro-batches
+      weight = jnp.ones_like(weight)
+    value = safe_divide(total, weight).astype(total_aval.dtype)
   return (value, aux), grad_acc, weight, local_weight, (state, sown)
+
+
+def _drop_unless(good: jax.Array, contribution: Any, old_state: Any) -> Any:
+  """A micro-batch's ``(total, weight, grads, aux, state)``, or nothing from it (zeros,
+  and the state it started from) unless ``good``."""
+  total, weight, grads, aux, state = contribution
+
+  def zero(x):
+    return jnp.where(good, x, jnp.zeros_like(x))
+
+  def keep_old(new, old):
+    if jnp.issubdtype(jnp.result_type(new), jax.dtypes.prng_key):
+      return new  # keys are not advanced by a call; their counts are
+    return jnp.where(good, new, old)
+
+  aux = jax.tree.map(lambda a: a if isinstance(a, Concat) else jax.tree.map(zero, a), aux,
+                     is_leaf=_is_marker)
+  return (zero(total), zero(weight), [zero(g) for g in grads], aux,
+          jax.tree.map(keep_old, state, old_state))
 
 
 def _is_marker(x: Any) -> bool:

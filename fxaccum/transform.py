@@ -83,10 +83,22 @@ class _Config:
   data_axes: tuple[str, ...]
 
   def window(self, optimizer_step: jax.Array) -> jax.Array:
-    """Number of calls in the window that starts at ``optimizer_step``."""
-    if callable(self.every_k):
-      return jnp.asarray(self.every_k(optimizer_step), jnp.int32)
-    return jnp.int32(self.every_k)
+    """Number of calls in the window that starts at ``optimizer_step`` (at least 1)."""
+    if not callable(self.every_k):
+      return jnp.int32(self.every_k)
+    k = self.every_k(optimizer_step)
+    if k is None or isinstance(k, bool) or not jnp.issubdtype(jnp.result_type(k), jnp.integer):
+      raise TypeError(
+          f"The every_k schedule returned {k!r} (dtype "
+          f"{None if k is None else jnp.result_type(k)}) at an optimizer step; it must return "
+          "an integer number of calls per window, e.g. "
+          "lambda step: jnp.where(step < 100, 1, 4), or round a float schedule: "
+          "lambda step: jnp.int32(jnp.round(schedule(step))).")
+    if not isinstance(k, jax.core.Tracer) and int(k) < 1:
+      raise ValueError(f"The every_k schedule returned {int(k)}; a window needs at least 1 "
+                       "call.")
+    # A traced value below 1 cannot raise here: such a window has 1 call (documented).
+    return jnp.maximum(jnp.asarray(k, jnp.int32), 1)
 
 
 # The gate session: set while a gate traces the chain; collects accumulate's config.
@@ -125,8 +137,11 @@ def accumulate(
     every_k: calls per optimizer step: an int, or a schedule
       ``optimizer_step -> k`` (like ``optax.MultiSteps``' ``every_k_schedule``).
     accum_dtype: dtype of the accumulator (float32 by default, also for bf16 params).
-    skip_nonfinite: drop a call whose gradient (or weight) holds NaN/Inf: it adds
-      nothing, still counts as a call of the window, and ``skipped`` counts it.
+    skip_nonfinite: drop a call whose gradient (or weight) holds NaN/Inf, or whose weight
+      is negative, as ``optax.MultiSteps`` does: it adds nothing and does not count as a
+      call of the window (a window never ends on skipped calls alone); ``skipped`` counts
+      it. Without it, such a call makes the window's gradient NaN (never silently wrong).
+      A call of weight 0 adds exactly nothing either way, even with NaN gradients.
     data_axes: data-parallel mesh axes for *deferred* sync: the accumulator keeps one
       partial sum per device and the gradient is all-reduced once, inside the window's
       last call. Feed it with ``fxaccum.value_and_grad(..., reduce=False)``. ``None``
@@ -157,6 +172,13 @@ def accumulate(
   config = _Config(every_k, accum_dtype, bool(skip_nonfinite), axes)
 
   def init_fn(params):
+    masked = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    if any(isinstance(x, optax.MaskedNode) for x in masked):
+      raise ValueError(
+          "fxaccum.accumulate got a masked params tree (it is inside optax.masked or "
+          "optax.multi_transform): it must accumulate every gradient leaf, since the whole "
+          "chain steps once per window. Put it first in a top-level chain instead: "
+          "optax.chain(fxaccum.accumulate(k), optax.masked(...), ...).")
     if axes:
       mesh = _data_mesh(params, axes)
       accumulator = _per_device_zeros(params, mesh, axes, accum_dtype)
@@ -380,11 +402,18 @@ def probe_config(tx, opt_state, params, extra_args) -> _Config:
   zeros = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
   with _gate_session() as found:  # arguments, not closures: they may be ShapeDtypeStructs
     jax.eval_shape(lambda g, s, p: tx.update(g, s, p, **extra_args), zeros, opt_state, params)
+  distinct = list({id(c): c for c in found}.values())
+  if len(distinct) == 1 and len(found) > 1:
+    raise ValueError(
+        f"fxaccum.accumulate's update ran {len(found)} times in one gate call: it is wrapped "
+        "in a transformation that runs its inner optimizer more than once, such as "
+        "optax.MultiSteps (which accumulates by itself: use one or the other). Put "
+        "accumulate first in a top-level chain: "
+        "optax.chain(fxaccum.accumulate(k), optax.adam(1e-3)).")
   if len(found) != 1:
     raise ValueError(
-        f"tx runs {len(found)} fxaccum.accumulate transformations; the gate needs exactly "
-        "one, e.g. optax.chain(fxaccum.accumulate(k), optax.adam(1e-3))."
-    )
+        f"tx runs {len(distinct)} fxaccum.accumulate transformations; the gate needs exactly "
+        "one, e.g. optax.chain(fxaccum.accumulate(k), optax.adam(1e-3)).")
   return found[0]
 
 
@@ -410,34 +439,73 @@ def _add(config: _Config, state: AccumulateState, grads: Any, weight: Any,
           "fxaccum.Unreduced gradients carry their own weight; do not pass weight=.")
     total, weight = grads.total, grads.weight.astype(jnp.float32)
   else:
-    weight = jnp.float32(1) if weight is None else jnp.asarray(weight)
-    if weight.shape:
-      raise ValueError(f"weight must be a scalar (this call's count), got shape {weight.shape}.")
-    weight = weight.astype(jnp.float32)
+    weight = jnp.float32(1) if weight is None else _check_weight(weight)
     total = grads
+  _check_grads(total, params, unreduced)
+
+  def contribution(g):
+    g = g.astype(config.accum_dtype)
+    g = g if unreduced else g * weight.astype(config.accum_dtype)
+    # Weight 0 adds nothing, even a NaN gradient (Unreduced: per device slot).
+    w = weight.reshape(weight.shape + (1,) * (g.ndim - weight.ndim))
+    return jnp.where(w == 0, jnp.zeros_like(g), g)
+
+  added = jax.tree.map(contribution, total)
+  valid_weight = jnp.isfinite(weight) & (weight >= 0)
+  skipped = state.skipped
+  counted = jnp.ones((), state.micro_step.dtype)
+  if config.skip_nonfinite:
+    # One flag for the whole call (a reduction over devices under deferred sync, as in
+    # MultiSteps): the call is dropped as if it never happened.
+    good = jnp.all(valid_weight)
+    for leaf in jax.tree.leaves(added):
+      good &= jnp.all(jnp.isfinite(leaf))
+    added = jax.tree.map(lambda a: jnp.where(good, a, 0), added)
+    weight = jnp.where(good, weight, 0)
+    skipped = skipped + (~good).astype(skipped.dtype)
+    counted = good.astype(counted.dtype)
+  else:
+    # Loud and elementwise (no collective): a NaN/Inf gradient propagates by itself, and
+    # an invalid weight becomes NaN, so the window's mean total / weight is NaN.
+    weight = jnp.where(valid_weight, weight, jnp.nan)
+  return state._replace(
+      micro_step=state.micro_step + counted,
+      accumulator=jax.tree.map(jnp.add, state.accumulator, added),
+      weight=state.weight + weight,
+      skipped=skipped,
+  )
+
+
+def _check_weight(weight: Any) -> jax.Array:
+  """A call's weight: a scalar; a Python or NumPy number must be finite and >= 0."""
+  array = jnp.asarray(weight)
+  if array.shape:
+    raise ValueError(f"weight must be a scalar (this call's count), got shape {array.shape}.")
+  if not isinstance(weight, jax.core.Tracer):
+    value = float(array)
+    if not (0 <= value < float("inf")):
+      raise ValueError(
+          f"weight={value} is not a valid count: a call's weight must be finite and >= 0 "
+          "(e.g. its number of valid tokens). A negative weight would flip the sign of its "
+          "gradient.")
+  return array.astype(jnp.float32)
+
+
+def _check_grads(total: Any, params: Any, unreduced: bool) -> None:
+  """Same tree and, leaf by leaf, the params' shape (Unreduced: a leading device axis)."""
   params_def, grads_def = jax.tree.structure(params), jax.tree.structure(total)
   if params_def != grads_def:
     raise ValueError(
         f"The gradient's tree structure does not match the params': {grads_def} vs "
         f"{params_def}. Pass grads for exactly the params the optimizer was built for."
     )
-
-  def contribution(g):
-    g = g.astype(config.accum_dtype)
-    return g if unreduced else g * weight.astype(config.accum_dtype)
-
-  added = jax.tree.map(contribution, total)
-  skipped = state.skipped
-  if config.skip_nonfinite:
-    finite = jnp.all(jnp.isfinite(weight))
-    for leaf in jax.tree.leaves(added):
-      finite &= jnp.all(jnp.isfinite(leaf))
-    added = jax.tree.map(lambda a: jnp.where(finite, a, 0), added)
-    weight = jnp.where(finite, weight, 0)
-    skipped = skipped + (~finite).astype(skipped.dtype)
-  return state._replace(
-      micro_step=state.micro_step + 1,
-      accumulator=jax.tree.map(jnp.add, state.accumulator, added),
-      weight=state.weight + weight,
-      skipped=skipped,
-  )
+  flat = jax.tree_util.tree_flatten_with_path(total)[0]
+  for (path, g), p in zip(flat, jax.tree.leaves(params), strict=True):
+    want = tuple(jnp.shape(p))
+    got = tuple(jnp.shape(g))[1:] if unreduced else tuple(jnp.shape(g))
+    if got != want:
+      device_axis = " after the leading device axis of Unreduced" if unreduced else ""
+      raise ValueError(
+          f"The gradient at {jax.tree_util.keystr(path) or '<root>'} has shape "
+          f"{tuple(jnp.shape(g))}{device_axis}, its param {want}. Gradients must have their "
+          "params' shapes (nothing is broadcast).")

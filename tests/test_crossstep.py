@@ -207,15 +207,19 @@ def test_every_k_schedule():
 
 
 def test_skip_nonfinite_drops_the_call():
-  x, y = data(K)
+  """A skipped call is as if it never happened (optax.MultiSteps' semantics): the window
+  ends after K good calls, on their mean."""
+  x, y = data(K + 1)
   tx = optax.chain(fxaccum.accumulate(K, skip_nonfinite=True), optax.sgd(1.0))
   params, opt_state = PARAMS, tx.init(PARAMS)
-  for call in range(K):
+  for call in range(K + 1):
     g = jax.grad(mse)(PARAMS, x[call], y[call])
     if call == 2:
       g = jax.tree.map(lambda a: a.at[(0,) * a.ndim].set(jnp.nan), g)
     params, opt_state = fxaccum.apply_gradients(tx, g, opt_state, PARAMS)
-  kept = [0, 1, 3]
+    if call == K - 1:  # K calls, one skipped: the window is not complete
+      assert int(opt_state[0].optimizer_step) == 0 and int(opt_state[0].micro_step) == K - 1
+  kept = [c for c in range(K + 1) if c != 2]
   ref_grad = jax.grad(mse)(PARAMS, x[kept].reshape(-1, 4), y[kept].reshape(-1, 2))
   assert_tree_close(params, jax.tree.map(lambda p, g: p - g, PARAMS, ref_grad), rtol=1e-6)
   assert int(opt_state[0].skipped) == 1 and int(opt_state[0].optimizer_step) == 1
