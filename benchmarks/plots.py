@@ -44,6 +44,8 @@ def plot_all(payload: dict[str, Any], folder: str) -> list[str]:
   """Writes the three figures to ``folder``; their paths."""
   os.makedirs(folder, exist_ok=True)
   setups = {n: s for n, s in payload["setups"].items() if "skipped" not in s}
+  if not setups:
+    return []
   versions = payload["versions"]
   device = (f"{payload['device_count']} x {payload['device_kind']} ({payload['platform']}), "
             f"JAX {versions['jax']}" + (", --quick" if payload["quick"] else ""))

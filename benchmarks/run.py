@@ -54,6 +54,7 @@ from typing import Any
 import common  # noqa: F401 - first: sets XLA_FLAGS before JAX starts
 import jax
 import numpy as np
+import pipeline as bench_pipeline
 from common import (
   DATA,
   LAYOUTS,
@@ -94,6 +95,7 @@ from methods import (
 import fxaccum
 from fxaccum import diagnostics
 
+PIPELINE = "pipeline"  # fxaccum.pipeline against the same model without one (pipeline.py)
 SETUPS = ("replicated/mlp", "replicated/lm", "fsdp/mlp", "data_x_model/mlp",
           "replicated/bn_mlp", "replicated_auto/bn_mlp")
 # the lm compiles slowly
@@ -512,8 +514,8 @@ def main() -> None:
   parser.add_argument("--lm-repeats", type=int, default=3, help="timed runs per lm method")
   parser.add_argument("--ks", default="1,2,4,8", help="micro-batches per optimizer step")
   parser.add_argument("--setups", default=None,
-                      help=f"comma-separated subset of {','.join(SETUPS)} (default: all; "
-                           f"--quick: {','.join(QUICK_SETUPS)})")
+                      help=f"comma-separated subset of {','.join(SETUPS)},pipeline "
+                           f"(default: all; --quick: {','.join(QUICK_SETUPS)})")
   parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
                       help="print fxaccum's time ratios of two suite JSONs; run nothing")
   parser.add_argument("--hlo-digest", action="store_true",
@@ -539,14 +541,21 @@ def main() -> None:
   log = logger(started)
   log(f"devices: {describe_device()}")
   setups: dict[str, Any] = {}
-  names = args.setups.split(",") if args.setups else QUICK_SETUPS if args.quick else SETUPS
+  names = (args.setups.split(",") if args.setups else QUICK_SETUPS if args.quick
+           else (*SETUPS, PIPELINE))
+  pipeline_rows = None
   for name in names:
+    if name == PIPELINE:
+      pipeline_rows = bench_pipeline.run(args.quick, ks, 1 if args.quick else args.repeats, log)
+      continue
     if name not in SETUPS:
-      raise SystemExit(f"unknown setup {name!r}; choose from {SETUPS}")
+      raise SystemExit(f"unknown setup {name!r}; choose from {(*SETUPS, PIPELINE)}")
     repeats = 1 if args.quick else args.lm_repeats if name.endswith("/lm") else args.repeats
     setups[name] = run_setup(name, args.quick, ks, repeats, log)
 
   tables = {name: markdown(s, ks) for name, s in setups.items() if "skipped" not in s}
+  if pipeline_rows and "skipped" not in pipeline_rows:
+    tables[PIPELINE] = bench_pipeline.markdown(pipeline_rows)
   payload = {
       "benchmark": "suite",
       "command": " ".join(["python", "benchmarks/run.py", *sys.argv[1:]]),
@@ -557,6 +566,7 @@ def main() -> None:
       "optax_microbatching_shim": optax_version_bug(),
       **environment(),
       "setups": setups,
+      "pipeline": pipeline_rows,
       "flags": flags(setups),
       "skipped": skips(setups),
       "tables_markdown": tables,

@@ -1,6 +1,7 @@
 """fxaccum: exact, communication-optimal, memory-flat gradient accumulation for JAX."""
 
 from fxaccum import checkpoint, diagnostics
+from fxaccum._pipeline import pipeline
 from fxaccum.flax import Optimizer, TrainState
 from fxaccum.grad import grad, value_and_grad
 from fxaccum.sync import Unreduced
@@ -24,5 +25,6 @@ __all__ = [
     "diagnostics",
     "grad",
     "is_boundary",
+    "pipeline",
     "value_and_grad",
 ]

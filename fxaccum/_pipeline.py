@@ -1,0 +1,241 @@
+"""Pipeline parallelism: micro-batches streamed through stages over a mesh axis (GPipe).
+
+The stages live on the devices of one mesh axis (``stage``): stage ``s`` holds
+``stage_params[s]``. The batch is split into ``k`` micro-batches, and one ``lax.scan`` of
+``k + S - 1`` iterations runs inside a ``shard_map`` that is manual over the stage axis
+and the data axes. In iteration ``t`` stage ``s`` works on micro-batch ``t - s``; one
+collective-permute per iteration hands every stage's output to the next stage.
+
+Why manual over the data axes too: inside the region the stage params are cast to
+"varying" over the data axes once, before the loop, so ``jax.grad`` accumulates each
+device's stage gradient locally over the micro-batches (the scan's transpose) and the
+one data-axis reduction is the cast's transpose, after the loop. Under the compiler's
+control instead (data axes left automatic), XLA places that reduction inside the
+backward loop, once per iteration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from fxaccum import split, sync
+
+__all__ = ["bubble_fraction", "pipeline"]
+
+
+def pipeline(
+    stage_fn: Callable[[Any, Any], Any],
+    stage_params: Any,
+    x: Any,
+    *,
+    micro_batches: int,
+    stage_axis: str = "stage",
+    data_axes: str | tuple[str, ...] | None = None,
+    remat: bool = True,
+) -> Any:
+  """Runs ``stage_fn`` stage after stage over the ``stage_axis`` devices, GPipe-style.
+
+  Equal, up to float rounding, to the plain loop
+  ``for s in range(S): x = stage_fn(stage_params[s], x)``, and differentiable: call it
+  inside a loss (e.g. between the embedding and the head) and take ``jax.grad`` or
+  ``fxaccum.value_and_grad`` of that loss. The gradient of ``stage_params`` is
+  accumulated per stage over the micro-batches inside the loop and reduced over the data
+  axes once, after it; it comes back sharded over ``stage_axis`` like the params.
+
+  Args:
+    stage_fn: ``(params of one stage, activations) -> activations`` of the same shapes
+      and dtypes. For several layers per stage, loop over a further leading dimension of
+      the params inside it (e.g. ``lax.scan``).
+    stage_params: a pytree whose leaves have a leading dimension ``S``, the mesh size of
+      ``stage_axis``; leaf ``[s]`` belongs to stage ``s``. Shard them over
+      ``stage_axis`` on that dimension (other dimensions may be sharded over other axes,
+      e.g. tensor-parallel ``model``).
+    x: the activations (an array or pytree), batch on axis 0 of every leaf, sharded over
+      the data axes (or not at all). The result has ``x``'s shapes and sharding.
+    micro_batches: ``k``, the number of micro-batches streamed through the stages. Each
+      device's rows are split as in ``fxaccum.value_and_grad``: micro-batch ``i`` holds
+      its rows ``i::k``, so nothing is resharded.
+    stage_axis: the mesh axis the stages live on.
+    data_axes: the data-parallel mesh axes ``x``'s batch is split over; ``None`` infers
+      them as ``fxaccum.value_and_grad`` does (the batch's sharding, else the
+      conventional names ``data``, ``fsdp``, ...), ``()`` for none.
+    remat: recompute each stage in the backward pass, storing only the stage inputs
+      (``jax.checkpoint``), instead of every intermediate of every iteration.
+
+  Returns:
+    ``y``, the output of the last stage, with ``x``'s shape, dtype and sharding.
+
+  Raises:
+    ValueError: no mesh or no ``stage_axis`` in it, leaves whose leading dimension is not
+      ``S``, ``micro_batches < 1``, a batch that does not split into ``k`` micro-batches
+      per data device, or a ``stage_fn`` that changes the activations' shapes or dtypes.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import fxaccum
+    >>> mesh = jax.make_mesh((2, 4), ("data", "stage"))
+    >>> w = jnp.stack([jnp.eye(4) * (s + 1) for s in range(4)])  # 4 stages
+    >>> x = jnp.ones((8, 4))
+    >>> with jax.set_mesh(mesh):
+    ...   y = jax.jit(lambda w, x: fxaccum.pipeline(
+    ...       lambda w_s, h: h @ w_s, w, x, micro_batches=2))(w, x)
+    >>> float(jax.device_get(y)[0, 0])   # 1 * 2 * 3 * 4
+    24.0
+  """
+  k = split.check_micro_batches(micro_batches)
+  mesh, stages, axes = _layout(stage_params, x, stage_axis, data_axes)
+  _check_params(stage_params, stages, stage_axis)
+  devices = 1
+  for axis in axes:
+    devices *= mesh.shape[axis]
+  split.leading_size(x, k, devices)
+  run = jax.checkpoint(stage_fn) if remat else stage_fn
+  body = _gpipe(run, k, stages, stage_axis, axes)
+  manual = (stage_axis, *axes)
+  param_spec, x_spec = P(stage_axis), P(axes or None)
+  # On Explicit mesh axes shard_map wants the arguments typed like its in_specs.
+  stage_params = jax.tree.map(lambda p: sync.conform(p, param_spec, manual), stage_params)
+  x = jax.tree.map(lambda a: sync.conform(a, x_spec, manual), x)
+  x_specs = jax.tree.map(lambda _: x_spec, x)
+  return jax.shard_map(
+      body, mesh=mesh, in_specs=(jax.tree.map(lambda _: param_spec, stage_params), x_specs),
+      out_specs=x_specs, axis_names=set(manual))(stage_params, x)
+
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+  """The idle fraction of a GPipe schedule: ``(S - 1) / (k + S - 1)``.
+
+  Each of the ``S`` stages is busy in ``k`` of the ``k + S - 1`` iterations.
+
+  Example:
+    >>> import fxaccum
+    >>> fxaccum.diagnostics.bubble_fraction(4, 8)
+    0.2727272727272727
+  """
+  stages = split.check_micro_batches(stages, "stages")
+  k = split.check_micro_batches(micro_batches)
+  return (stages - 1) / (k + stages - 1)
+
+
+def _gpipe(run: Callable, k: int, stages: int, stage_axis: str,
+           axes: tuple[str, ...]) -> Callable:
+  """The per-device body: one scan of ``k + S - 1`` iterations, one permute each."""
+  last = stages - 1
+  ring = [(s, (s + 1) % stages) for s in range(stages)]
+
+  def body(params, x):
+    params = jax.tree.map(lambda leaf: leaf[0], params)
+    # Both casts sit before the loop, so their transposes (the data-axis sum of the param
+    # gradients, the stage-axis sum of x's gradient) run once, after it.
+    params = sync.vary(params, axes)
+    x = sync.vary(x, (stage_axis,))
+    stage = lax.axis_index(stage_axis)
+    inputs = jax.tree.map(_to_micro_batches(k), x)
+    outputs = jax.tree.map(jnp.zeros_like, inputs)
+    first = jax.tree.map(lambda leaf: jnp.zeros_like(leaf[0]), inputs)
+
+    def iteration(carry, t):
+      received, outputs = carry
+      fresh = jax.tree.map(lambda m: _index(m, jnp.minimum(t, k - 1)), inputs)
+      h = jax.tree.map(lambda a, b: jnp.where(stage == 0, a, b), fresh, received)
+      y = _like(run(params, h), h)
+      # The last stage finishes micro-batch t - (S - 1) in iteration t.
+      done = t - last
+      slot = jnp.clip(done, 0, k - 1)
+      keep = (stage == last) & (done >= 0)
+      outputs = jax.tree.map(
+          lambda o, v: lax.dynamic_update_index_in_dim(
+              o, jnp.where(keep, v, _index(o, slot)), slot, 0), outputs, y)
+      return (lax.ppermute(y, stage_axis, ring), outputs), None
+
+    (_, outputs), _ = lax.scan(iteration, (first, outputs), jnp.arange(k + last))
+    # Only the last stage holds the outputs: the sum over stages hands them to every stage.
+    outputs = lax.psum(outputs, stage_axis)
+    return jax.tree.map(_from_micro_batches, outputs)
+
+  return body
+
+
+def _to_micro_batches(k: int) -> Callable[[jax.Array], jax.Array]:
+  """(n, ...) -> (k, n / k, ...): micro-batch i holds rows i::k (fxaccum's split)."""
+  return lambda leaf: leaf.reshape(leaf.shape[0] // k, k, *leaf.shape[1:]).swapaxes(0, 1)
+
+
+def _from_micro_batches(leaf: jax.Array) -> jax.Array:
+  return leaf.swapaxes(0, 1).reshape(leaf.shape[0] * leaf.shape[1], *leaf.shape[2:])
+
+
+def _index(leaf: jax.Array, i: jax.Array) -> jax.Array:
+  return lax.dynamic_index_in_dim(leaf, i, keepdims=False)
+
+
+def _layout(stage_params: Any, x: Any, stage_axis: str,
+            data_axes: str | tuple[str, ...] | None) -> tuple[Any, int, tuple[str, ...]]:
+  """The mesh, the number of stages and the data axes; errors name the fix."""
+  leaves = jax.tree.leaves(x)
+  if not leaves:
+    raise ValueError("fxaccum.pipeline got no activations: x holds no arrays.")
+  mesh = sync.find_mesh([*leaves, *jax.tree.leaves(stage_params)])
+  if mesh is None or stage_axis not in mesh.axis_names:
+    found = "no mesh" if mesh is None else f"a mesh with axes {tuple(mesh.axis_names)}"
+    raise ValueError(
+        f"fxaccum.pipeline found {found}; it needs one with the stage axis "
+        f"{stage_axis!r}: call it under `with jax.set_mesh(mesh):` for a mesh such as "
+        f"jax.make_mesh((2, 4), ('data', {stage_axis!r})), or pass stage_axis=.")
+  manual = sync.manual_axes()
+  if stage_axis in manual:
+    raise ValueError(
+        f"fxaccum.pipeline is called inside a shard_map that is already manual over "
+        f"{stage_axis!r}; call it outside, where the stage axis is not manual.")
+  if data_axes is None:
+    axes = tuple(a for a in sync.infer_data_axes(mesh, leaves, manual) if a != stage_axis)
+  else:
+    axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    bad = [a for a in axes if a not in mesh.axis_names or a == stage_axis or a in manual]
+    if bad:
+      raise ValueError(
+          f"data_axes={data_axes!r} names {bad}: data axes must be mesh axes "
+          f"{tuple(mesh.axis_names)} other than the stage axis {stage_axis!r} that are not "
+          "already manual here.")
+  return mesh, mesh.shape[stage_axis], axes
+
+
+def _check_params(stage_params: Any, stages: int, stage_axis: str) -> None:
+  flat = jax.tree_util.tree_flatten_with_path(stage_params)[0]
+  if not flat:
+    raise ValueError("fxaccum.pipeline got no stage params: stage_params holds no arrays.")
+  for path, leaf in flat:
+    shape = jnp.shape(leaf)
+    if not shape or shape[0] != stages:
+      raise ValueError(
+          f"stage_params leaf {jax.tree_util.keystr(path) or '<root>'} has shape {shape}; "
+          f"every leaf needs a leading dimension of {stages}, the size of the mesh axis "
+          f"{stage_axis!r} (leaf [s] belongs to stage s). Stack the stages' params, e.g. "
+          "jax.tree.map(lambda *p: jnp.stack(p), *per_stage), or use a mesh whose stage "
+          "axis has as many devices as there are stages.")
+
+
+def _like(y: Any, h: Any) -> Any:
+  """stage_fn's output, checked to be shaped like its input (they flow in a ring); on an
+  Explicit mesh resharded like it where the types differ only in sharding."""
+  def describe(tree):
+    return jax.tree.map(lambda a: f"{jnp.dtype(a.dtype).name}{list(a.shape)}", tree)
+  if jax.tree.structure(y) != jax.tree.structure(h) or any(
+      (jnp.shape(a), jnp.result_type(a)) != (jnp.shape(b), jnp.result_type(b))
+      for a, b in zip(jax.tree.leaves(y), jax.tree.leaves(h), strict=True)):
+    raise ValueError(
+        f"stage_fn must return activations like its input: it maps {describe(h)} to "
+        f"{describe(y)} (one micro-batch on one device). Every stage's output is the next "
+        "stage's input; keep the shapes and dtypes fixed inside the pipeline and change "
+        "them outside (embedding, head).")
+
+  def conform(a, b):
+    want = jax.typeof(b).sharding
+    return a if jax.typeof(a).sharding == want else jax.sharding.reshard(a, want.spec)
+  return jax.tree.map(conform, y, h)

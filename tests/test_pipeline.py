@@ -1,0 +1,192 @@
+"""fxaccum.pipeline: GPipe stages over a mesh axis, against the sequential model on one
+device (plain jax.value_and_grad of the same layers in a Python loop)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_close, row_parallel_matmul
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fxaccum
+
+BATCH, TOKENS, DIM, HIDDEN, VOCAB = 32, 8, 8, 16, 16
+# mesh shape and axis names per number of stages; S = 2 has tensor-parallel stages
+MESHES = {8: ((8,), ("stage",)), 4: ((2, 4), ("data", "stage")),
+          2: ((2, 2, 2), ("data", "stage", "model"))}
+
+
+def make_params(stages: int, seed: int = 0) -> dict:
+  rng = np.random.default_rng(seed)
+  def normal(*shape, scale=1.0):
+    return (scale * rng.normal(size=shape)).astype(np.float32)
+  return {"embed": normal(VOCAB, DIM),
+          "stages": {"w1": normal(stages, DIM, HIDDEN, scale=DIM ** -0.5),
+                     "w2": normal(stages, HIDDEN, DIM, scale=HIDDEN ** -0.5)},
+          "head": normal(DIM, VOCAB, scale=DIM ** -0.5)}
+
+
+def make_batch(k: int, seed: int = 1) -> dict:
+  """Skewed padding: empty rows, long rows, and (k > 1) an all-padding pipeline
+  micro-batch (rows i::k of each data device's rows, i = k - 1)."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(1, 4, size=BATCH)
+  lengths[::7] = TOKENS
+  lengths[2::5] = 0
+  if k > 1:
+    lengths[np.arange(BATCH) % k == k - 1] = 0  # row r is in micro-batch r % k
+  mask = (np.arange(TOKENS)[None, :] < lengths[:, None]).astype(np.float32)
+  tokens = rng.integers(0, VOCAB, size=(BATCH, TOKENS + 1)).astype(np.int32)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
+
+
+def block(p, h):
+  """One stage: a residual MLP (column- then row-parallel on a model axis)."""
+  return h + row_parallel_matmul(jnp.tanh(h @ p["w1"]), p["w2"])
+
+
+def embed(table, ids):
+  """``table[ids]``; on an Explicit mesh JAX needs the gather's output sharding spelled
+  out (a plain-JAX rule, not fxaccum's)."""
+  sharding = jax.typeof(ids).sharding
+  if any(t == AxisType.Explicit for t in sharding.mesh.axis_types):
+    return table.at[ids].get(out_sharding=P(*sharding.spec, None))
+  return table[ids]
+
+
+def token_sums(params, batch, body):
+  h = embed(params["embed"], batch["inputs"])
+  logits = body(params["stages"], h) @ params["head"]
+  logp = jax.nn.log_softmax(logits)
+  nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+  return fxaccum.Weighted(jnp.sum(nll * batch["mask"]), jnp.sum(batch["mask"]))
+
+
+def sequential(stages, h):
+  for s in range(jax.tree.leaves(stages)[0].shape[0]):
+    h = block(jax.tree.map(lambda a, s=s: a[s], stages), h)
+  return h
+
+
+def reference(params, batch):
+  """The sequential model on one device: the token mean over all valid tokens."""
+  with jax.default_matmul_precision("highest"):
+    return jax.value_and_grad(lambda p: token_sums(p, batch, sequential).value())(params)
+
+
+def pipelined_loss(k: int, remat: bool = True):
+  def loss(params, batch):
+    return token_sums(params, batch, lambda stages, h: fxaccum.pipeline(
+        block, stages, h, micro_batches=k, remat=remat))
+  return loss
+
+
+def place(params, batch, mesh):
+  model = "model" in mesh.axis_names
+  data = P("data") if "data" in mesh.axis_names else P()
+  specs = {"embed": P(), "head": P(),
+           "stages": {"w1": P("stage", None, "model" if model else None),
+                      "w2": P("stage", "model" if model else None, None)}}
+  params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+  return params, jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, data)), batch)
+
+
+def run(stages, k, axis_type=AxisType.Auto, outer=1, remat=True):
+  shape, names = MESHES[stages]
+  mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
+  step = jax.jit(fxaccum.value_and_grad(pipelined_loss(k, remat), micro_batches=outer))
+  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+    args = place(make_params(stages), make_batch(k), mesh)
+    return step(*args), (step, args, mesh)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("stages", [2, 4, 8])
+def test_pipeline_matches_the_sequential_model(stages, k):
+  (loss, grads), _ = run(stages, k)
+  ref_loss, ref_grads = reference(make_params(stages), make_batch(k))
+  assert_tree_close(loss, ref_loss, rtol=1e-5)
+  assert_tree_close(grads, ref_grads, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stages,k", [(4, 4), (2, 2)])
+def test_explicit_meshes(stages, k):
+  (loss, grads), _ = run(stages, k, AxisType.Explicit)
+  ref_loss, ref_grads = reference(make_params(stages), make_batch(k))
+  assert_tree_close(loss, ref_loss, rtol=1e-5)
+  assert_tree_close(grads, ref_grads, rtol=1e-5)
+  spec = jax.typeof(grads["stages"]["w1"]).sharding.spec
+  assert spec[0] == "stage"  # stage gradients stay on their stages
+
+
+def test_inside_in_step_accumulation():
+  """fxaccum.value_and_grad over 2 micro-batches, each pipelined in 2: the token mean of
+  the whole batch (the all-padding micro-batch included)."""
+  (loss, grads), _ = run(4, 2, outer=2)
+  ref_loss, ref_grads = reference(make_params(4), make_batch(2))
+  assert_tree_close(loss, ref_loss, rtol=1e-5)
+  assert_tree_close(grads, ref_grads, rtol=1e-5)
+
+
+def test_mean_of_micro_batch_means_is_wrong_on_this_data():
+  """Negative control: the skewed padding makes a per-micro-batch mean differ."""
+  params, batch = make_params(4), make_batch(4)
+  means = []
+  for i in range(4):
+    part = jax.tree.map(lambda a, i=i: a[i::4], batch)
+    if part["mask"].sum():
+      means.append(token_sums(params, part, sequential).value())
+  assert abs(float(np.mean(means)) - float(reference(params, batch)[0])) > 1e-2
+
+
+def test_one_data_reduction_and_one_permute_per_iteration():
+  stages, k = 4, 4
+  _, (step, args, mesh) = run(stages, k)
+  report = fxaccum.diagnostics.report(step, *args, mesh=mesh)
+  assert report.reductions("loop", axes="data") == []
+  assert report.reductions("top", axes="data")  # the stage gradients' one reduction
+  permutes = report.select("collective-permute")
+  # one in the forward scan, one in its transpose, each run once per iteration
+  assert len(permutes) == 2
+  assert {c.executions for c in permutes} == {k + stages - 1}
+  assert {c.axes for c in permutes} == {("stage",)}
+  assert fxaccum.diagnostics.bubble_fraction(stages, k) == pytest.approx(3 / 7)
+
+
+def test_remat_stores_less_than_every_intermediate():
+  def temp(remat):
+    _, (step, args, _) = run(4, 8, remat=remat)
+    return fxaccum.diagnostics.report(step, *args).memory.temp_bytes
+  assert temp(True) < temp(False)
+
+
+def bad_call(stages=None, k=2, x_rows=BATCH, fn=block, stage_axis="stage"):
+  mesh = jax.make_mesh((2, 4), ("data", "stage"))
+  params = make_params(stages or 4)["stages"]
+  x = jnp.ones((x_rows, TOKENS, DIM))
+  with jax.set_mesh(mesh):
+    jax.jit(lambda p, x: fxaccum.pipeline(fn, p, x, micro_batches=k,
+                                          stage_axis=stage_axis)).lower(params, x)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"stages": 2}, ValueError, r"leading dimension of 4, the size of the mesh axis 'stage'"),
+    ({"k": 0}, ValueError, "micro_batches must be a positive int"),
+    ({"k": 1.5}, TypeError, "micro_batches must be a positive int"),
+    ({"x_rows": 18}, ValueError, "over 2 data-parallel devices and micro_batches=2"),
+    ({"fn": lambda p, h: h[..., :4]}, ValueError, "stage_fn must return activations like"),
+    ({"fn": lambda p, h: h.astype(jnp.bfloat16)}, ValueError, "bfloat16"),
+    ({"stage_axis": "pipe"}, ValueError, "needs one with the stage axis 'pipe'"),
+])
+def test_errors_name_the_fix(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    bad_call(**kwargs)
+
+
+def test_params_without_a_leading_stage_dimension():
+  mesh = jax.make_mesh((2, 4), ("data", "stage"))
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"\['w'\] has shape \(\)"):
+    fxaccum.pipeline(block, {"w": jnp.float32(1)}, jnp.ones((8, DIM)), micro_batches=2)
