@@ -3,7 +3,7 @@
 Micro-batch ``i`` holds rows ``i, i + k, i + 2k, ...`` of the (per-device) batch. The
 split is a free reshape ``(b, ...) -> (b // k, k, ...)`` plus one strided slice per loop
 iteration: it never copies the whole batch and, unlike a contiguous split, never moves
-rows between devices of a data-sharded batch (DESIGN.md §3).
+rows between devices of a data-sharded batch.
 """
 
 from __future__ import annotations

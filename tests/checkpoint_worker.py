@@ -37,12 +37,13 @@ def resume(step: int, calls: int, out: str) -> None:
 
 
 def interrupted_save() -> None:
-  """Saves step 1 completely, starts a large step-2 save, and dies with SIGKILL."""
+  """Saves step 1 completely with fxaccum.checkpoint.save, starts a large step-2 save of
+  the same tree, and dies with SIGKILL."""
   manager = ocp.CheckpointManager(DIRECTORY)
-  big = {"w": jnp.ones((64, 1024, 1024), jnp.float32)}  # 256 MiB: the write takes a while
-  manager.save(1, args=ocp.args.StandardSave({"w": jnp.zeros(4)}))
+  fxaccum.checkpoint.save(manager, 1, {"w": jnp.zeros((64, 1024, 1024), jnp.float32)})
   manager.wait_until_finished()
-  manager.save(2, args=ocp.args.StandardSave(big))
+  # 256 MiB: the write takes a while
+  fxaccum.checkpoint.save(manager, 2, {"w": jnp.ones((64, 1024, 1024), jnp.float32)})
   print("killing", flush=True)
   os.kill(os.getpid(), signal.SIGKILL)
 

@@ -71,7 +71,7 @@ def example_mean_loss(params, batch):
 
 
 def reference_token_mean(params, batch):
-  """DESIGN.md §4 reference: sum(mask*l) / max(sum(mask), 1) on the full batch."""
+  """The token mean on the full batch: sum(mask * l) / max(sum(mask), 1)."""
   return jnp.sum(batch["mask"] * token_loss(params, batch)) / jnp.maximum(
       jnp.sum(batch["mask"]), 1.0)
 

@@ -1,4 +1,4 @@
-"""k micro-batches == one large batch, on every mesh layout (DESIGN.md §4)."""
+"""k micro-batches == one large batch, on every mesh layout."""
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +76,8 @@ def test_naive_mean_of_means_is_wrong_on_the_same_data():
 
 
 def test_bit_exact_analytic_case():
-  """DESIGN.md §4: token counts (8, 2, 0, 6), coefficients (1, 2, 3, 4) -> 36/16 = 2.25."""
+  """Token counts (8, 2, 0, 6), coefficients (1, 2, 3, 4): the token mean is 36/16 = 2.25
+  exactly; the mean of the micro-batch means (a plain loss) is (1 + 2 + 0 + 4) / 4 = 1.75."""
   counts, coefs = np.array([8, 2, 0, 6]), np.array([1.0, 2.0, 3.0, 4.0], np.float32)
   # Row i is micro-batch i (the split takes rows i::4).
   mask = (np.arange(8)[None, :] < counts[:, None]).astype(np.float32)
@@ -88,8 +89,12 @@ def test_bit_exact_analytic_case():
   value, g = fxaccum.value_and_grad(loss, micro_batches=4)(jnp.float32(1.0), batch)
   np.testing.assert_array_equal(g, np.float32(2.25))
   np.testing.assert_array_equal(value, np.float32(2.25))
-  naive = np.mean([c * n / max(n, 1) for c, n in zip(coefs, counts, strict=True)])
-  assert naive == 1.75
+  # Negative control: the same sums returned as a per-micro-batch mean (a plain loss).
+  def mean_loss(w, b):
+    return loss(w, b).value()
+
+  value, g = fxaccum.value_and_grad(mean_loss, micro_batches=4)(jnp.float32(1.0), batch)
+  np.testing.assert_array_equal((value, g), (np.float32(1.75), np.float32(1.75)))
 
 
 @pytest.mark.parametrize("mesh_shape", [(1,), (8,)])
@@ -151,6 +156,8 @@ def test_argnums_tuple_and_has_aux_match_jax():
   grads_only, aux_only = fxaccum.grad(loss, has_aux=True, micro_batches=2, batch_argnums=2)(
       params, scale, data)
   assert_tree_close(grads_only, rp)
+  np.testing.assert_allclose(aux_only["value"], ref_aux["value"], rtol=1e-6)
+  np.testing.assert_allclose(aux_only["count"], ref_aux["count"] / 2, rtol=1e-6)
 
 
 def test_auto_mesh_without_set_mesh_context():
