@@ -47,7 +47,7 @@ MODEL = "model"  # the tensor-parallel mesh axis of the data x model layout
 
 def spec_of(x: Any) -> tuple[Any, ...]:
   """``x``'s PartitionSpec entries, padded to its rank (the typed sharding: Explicit axes)."""
-  spec = tuple(jax.typeof(x).sharding.spec)
+  spec = tuple(jax.typeof(x).sharding.spec.partitions)  # (a reduced spec refuses iter())
   return spec + (None,) * (x.ndim - len(spec))
 
 

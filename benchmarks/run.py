@@ -53,6 +53,7 @@ from typing import Any
 
 import common  # noqa: F401 - first: sets XLA_FLAGS before JAX starts
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pipeline as bench_pipeline
 from common import (
@@ -182,24 +183,32 @@ class Prepared:
   steps: Callable[[Any], Any]
 
 
-def prepare(m: Method, batches: list[Any], mesh: Any, donated: bool = False) -> Prepared:
-  """Compiles ``m.call`` for ``len(batches)`` calls per optimizer step; ``donated`` adds the
-  memory of the call compiled with its state donated (as a training loop would)."""
+def prepare(m: Method, batches: list[Any], mesh: Any, donated: bool = False,
+            quick: bool = False) -> Prepared:
+  """Compiles ``m.call`` for ``len(batches)`` calls per optimizer step, timed as a training
+  loop runs it: the state donated to each call and carried from window to window (the first
+  window starts from ``m.state`` and returns a copy: the figures read it). ``donated`` adds
+  the memory figures of the donated call. ``quick`` (a smoke run, timings unused) skips the
+  second compile and runs the undonated call."""
   state = m.state
   jax.block_until_ready(state)
   call, rep = compile_and_report(m.call, mesh, state, batches[0])
+  donating = call if quick else jax.jit(m.call, donate_argnums=0).lower(
+      state, batches[0]).compile()
+  carried = [jax.tree.map(jnp.copy, state)]
 
   def window():
-    out, loss = state, None
-    for b in batches:  # each call depends on the last: no independent dispatches in flight
-      out, loss = call(out, b)
-    return out, loss
+    first = len(carried) == 1
+    out, loss = carried[-1], None
+    for b in batches:  # wait for each call: XLA:CPU's rendezvous (docs/performance.md)
+      out, loss = jax.block_until_ready(donating(out, b))
+    carried[-1:] = [out, out] if first else [out]
+    return (jax.block_until_ready(jax.tree.map(jnp.copy, out)) if first else out), loss
 
   figures = {"calls_per_step": len(batches), **reduction_figures(rep, len(batches),
                                                                  m.cond_runs), "note": m.note}
   if donated:
-    memory = jax.jit(m.call, donate_argnums=0).lower(state, batches[0]).compile()
-    memory = diagnostics.from_compiled(memory).memory
+    memory = diagnostics.from_compiled(donating).memory
     figures.update(donated_temp_bytes=memory.temp_bytes, donated_peak_bytes=memory.peak_bytes,
                    state_bytes=sum(math.prod(x.sharding.shard_shape(x.shape)) * x.itemsize
                                    for x in jax.tree.leaves(state)))
@@ -243,7 +252,7 @@ def run_setup(name: str, quick: bool, ks: list[int], repeats: int,
     batch = jax.device_put(setup["batch"], NamedSharding(mesh, P(DATA)))
     jax.block_until_ready((params, batch))
     loss_fn = setup["loss"]
-    ref = prepare(large_batch(loss_fn, params), [batch], mesh, donated=not quick)
+    ref = prepare(large_batch(loss_fn, params), [batch], mesh, donated=not quick, quick=quick)
     ref_times: list[float] = []
     ref_grads = None
     results: dict[str, dict[str, Any]] = {
@@ -263,7 +272,7 @@ def run_setup(name: str, quick: bool, ks: list[int], repeats: int,
         batches = [batch] if METHODS[method][0] == IN_STEP else micro
         donated = k == ks[-1] and not quick
         r = measure(lambda f=factories[method], b=batches, d=donated: {
-            "result": prepare(f(), b, mesh, donated=d)})
+            "result": prepare(f(), b, mesh, donated=d, quick=quick)})
         if "skipped" in r:
           results[method][str(k)] = {**r, "method": method, "k": k, "device": device}
         else:

@@ -648,7 +648,7 @@ def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call)
                              aux_shapes, is_leaf=_is_marker)
   if config.skip_nonfinite:
     aux_specs = (aux_specs, P()) if config.has_aux else P()
-  local = jax.shard_map(
+  local = sync.shard_map_keeping_axes(
       local, mesh=layout.mesh,
       in_specs=(param_specs, rest_specs, [P()] * len(arrays), P()),
       out_specs=((P(), aux_specs), grad_specs, P()), axis_names=set(axes))
@@ -808,7 +808,7 @@ def _as_unreduced(config: _Config, layout: sync.Layout, call: _Call, sums, weigh
   def first_device_slot(x):  # x is replicated over the data axes: no communication
     return jnp.where(lax.axis_index(axes) == 0, x, jnp.zeros_like(x))[None]
 
-  slots = jax.shard_map(
+  slots = sync.shard_map_keeping_axes(
       lambda tree: jax.tree.map(first_device_slot, tree), mesh=layout.mesh,
       in_specs=P(), out_specs=P(axes), axis_names=set(axes))
   sums, weight = slots((sums, weight.astype(jnp.float32)))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -40,7 +40,8 @@ from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "CONVENTIONAL_DATA_AXES", "Layout", "Unreduced", "conform", "find_mesh", "gather",
-    "known_spec", "plan", "reduce", "spec_axes", "tracks_varying", "vary", "varying_axes",
+    "known_spec", "plan", "reduce", "shard_map_keeping_axes", "spec_axes", "tracks_varying",
+    "vary", "varying_axes",
 ]
 
 #: Auto mesh axes assumed to carry the batch when JAX cannot show its sharding.
@@ -415,3 +416,74 @@ def reduce(x: jax.Array, data_axes: tuple[str, ...], dims: DataDims = ()) -> jax
     done |= set(axes)
   rest = tuple(a for a in data_axes if a not in done)
   return lax.psum(x, rest) if rest else x
+
+
+def _entries(x: Any) -> list[Any]:
+  """The typed PartitionSpec entries of ``x``, one per dimension."""
+  aval = jax.typeof(x)
+  spec = getattr(getattr(aval, "sharding", None), "spec", None)
+  partitions = list(spec.partitions) if spec is not None else []
+  return partitions + [None] * (len(aval.shape) - len(partitions))
+
+
+def _only(entries: Sequence[Any], keep: Callable[[str], bool]) -> P:
+  out = []
+  for entry in entries:
+    axes = tuple(a for a in spec_axes(entry) if keep(a))
+    out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return P(*out)
+
+
+def shard_map_keeping_axes(body: Callable[..., Any], *, mesh: Any, in_specs: Any,
+                           out_specs: Any, axis_names: set[str]) -> Callable[..., Any]:
+  """``jax.shard_map(body, ...)`` manual over ``axis_names``, whose arguments and results
+  keep their sharding on the mesh's other ``Explicit`` axes (e.g. a tensor-parallel
+  ``model`` axis) across the region's boundary.
+
+  JAX (0.10, Shardy) lowers a partially manual shard_map on a mesh without ``Auto`` axes
+  with *closed, replicated* dimensions on the non-manual axes: every argument sharded over
+  them is all-gathered on entry (and sliced again inside), every such result all-gathered
+  on exit, although their types inside say they stay sharded. Around the shard_map those
+  axes are made ``Auto`` (open dimensions: nothing moves), and inside the body ``Explicit``
+  again with the arguments' own specs, so ``body`` sees the types it would see without
+  this wrapper. Without such axes this is plain ``jax.shard_map``.
+  """
+  context = jax.sharding.get_abstract_mesh()
+  abstract = context if context.axis_names else getattr(mesh, "abstract_mesh", mesh)
+  types = dict(zip(abstract.axis_names, abstract.axis_types, strict=True))
+  kept = tuple(a for a in abstract.axis_names
+               if a not in axis_names and types[a] == AxisType.Explicit)
+  if not kept:
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names=axis_names)
+  auto = {a: AxisType.Auto for a in kept}
+  explicit = {a: AxisType.Explicit for a in kept}
+  seen: dict[str, Any] = {}
+
+  def inner(*args):
+    with jax.sharding.use_abstract_mesh(
+        jax.sharding.get_abstract_mesh().update_axis_types(explicit)):
+      args = jax.sharding.reshard(args, seen["in"])
+      out = body(*args)
+      seen["out"] = jax.tree.map(_entries, out)
+    return jax.sharding.reshard(out, jax.tree.map(lambda _: P(), out))
+
+  def outer(*args):
+    seen["in"] = jax.tree.map(lambda a: _only(_entries(a), lambda x: x in kept), args)
+    boundary = abstract.update_axis_types(auto)
+    with jax.sharding.use_abstract_mesh(boundary):
+      args = jax.sharding.reshard(args, jax.tree.map(
+          lambda a: _only(_entries(a), lambda x: x not in kept), args))
+      out = jax.shard_map(inner, mesh=boundary, in_specs=in_specs, out_specs=out_specs,
+                          axis_names=axis_names)(*args)
+
+    def merged(o, inside):  # the result's data-axis entries (out_specs), then the kept
+      entries = []          # axes' entries it had inside the body
+      for mapped_entry, inner_entry in zip(_entries(o), inside, strict=True):
+        axes = spec_axes(mapped_entry) + tuple(a for a in spec_axes(inner_entry) if a in kept)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+      return P(*entries)
+
+    return jax.sharding.reshard(out, jax.tree.map(merged, out, seen["out"]))
+
+  return outer

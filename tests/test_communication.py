@@ -68,13 +68,25 @@ def test_tensor_parallel_keeps_model_collectives_moves_data_ones(axis_type):
   mesh = mesh_of((4, 2), ("data", "model"), axis_type)
   specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}
   with jax.set_mesh(mesh):
+    args = put(make_params(), mesh, specs), put(make_data(k=4), mesh, DATA)
     rep = diagnostics.report(
-        jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=4)),
-        put(make_params(), mesh, specs), put(make_data(k=4), mesh, DATA))
+        jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=4)), *args)
+    naive = diagnostics.report(jax.jit(naive_scan_value_and_grad(weighted_loss, 4)), *args)
+    deferred = diagnostics.report(jax.jit(fxaccum.value_and_grad(
+        weighted_loss, micro_batches=1, reduce=False)), *args)
   assert rep.reductions(place="loop", axes="data") == [], rep.summary()
   assert rep.reductions(place="top", axes="data"), rep.summary()
   # The row-parallel matmul's model-axis all-reduce stays in the loop, where the model needs it.
   assert rep.reductions(place="loop", axes="model"), rep.summary()
+  # No model-axis collective that plain scan does not have: the params and gradients keep
+  # their model sharding across fxaccum's region (no gather on entry or exit), also for
+  # deferred sync's per-device sums; and the temp memory stays within one accumulator.
+  for report in (rep, deferred):
+    assert report.count("all-gather", axes="model") == 0, report.summary()
+  assert rep.count(axes="model") <= naive.count(axes="model"), (rep.summary(), naive.summary())
+  accumulator = grad_bytes(make_params()) // 2 + 64  # float32, model-sharded in two
+  assert rep.memory.temp_bytes <= naive.memory.temp_bytes + accumulator, (rep.memory,
+                                                                          naive.memory)
 
 
 @pytest.mark.parametrize("fsdp_reduce", ["per_micro_batch", "per_step"])
