@@ -138,7 +138,10 @@ def _gpipe(run: Callable, k: int, stages: int, stage_axis: str,
     stage = lax.axis_index(stage_axis)
     inputs = jax.tree.map(_to_micro_batches(k), x)
     outputs = jax.tree.map(jnp.zeros_like, inputs)
-    first = jax.tree.map(lambda leaf: jnp.zeros_like(leaf[0]), inputs)
+    # Idle iterations run the stages on real activations (micro-batch 0 and what the
+    # stages make of it), never zeros: their results are dropped, but a stage whose
+    # derivative is not finite at 0 (sqrt, log) would put 0 * inf = NaN into the gradient.
+    first = jax.tree.map(lambda leaf: leaf[0], inputs)
 
     def iteration(carry, t):
       received, outputs = carry

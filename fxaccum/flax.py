@@ -71,12 +71,12 @@ class Optimizer(nnx.Optimizer):
     ...                         wrt=nnx.Param)
     >>> loss = lambda m, x: jnp.mean(m(x) ** 2)
     >>> for _ in range(4):
-    ...   opt.update(model, nnx.grad(loss)(model, jnp.ones((3, 2))))
+    ...   updates = opt.update(model, nnx.grad(loss)(model, jnp.ones((3, 2))))
     >>> int(opt.step[...]), int(opt.micro_step)
     (1, 0)
   """
 
-  def update(self, model: Any, grads: Any, /, *, weight: Any = None, **kwargs: Any) -> None:
+  def update(self, model: Any, grads: Any, /, *, weight: Any = None, **kwargs: Any) -> Any:
     """Accumulates ``grads`` (with ``weight``, default 1); steps on a window's last call.
 
     Args:
@@ -85,6 +85,10 @@ class Optimizer(nnx.Optimizer):
         ``fxaccum.Unreduced`` over the ``wrt`` state.
       weight: this call's weight, e.g. its valid-token count.
       **kwargs: passed to ``tx.update`` on a window's last call.
+
+    Returns:
+      The updates applied to the ``wrt`` variables, as ``nnx.Optimizer.update`` returns
+      them: the optimizer's step on a window's last call, zeros on the others.
     """
     params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
     if not isinstance(grads, sync.Unreduced):
@@ -95,6 +99,7 @@ class Optimizer(nnx.Optimizer):
     nnx.update(model, new_params)
     nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
     self.step[...] += boundary.astype(self.step.dtype)
+    return jax.tree.map(jnp.subtract, new_params, params)
 
   @property
   def micro_step(self) -> jax.Array:

@@ -448,7 +448,11 @@ def _add(config: _Config, state: AccumulateState, grads: Any, weight: Any,
     g = g if unreduced else g * weight.astype(config.accum_dtype)
     # Weight 0 adds nothing, even a NaN gradient (Unreduced: per device slot).
     w = weight.reshape(weight.shape + (1,) * (g.ndim - weight.ndim))
-    return jnp.where(w == 0, jnp.zeros_like(g), g)
+    zero = jnp.broadcast_to(w == 0, g.shape)
+    spec = jax.typeof(g).sharding.spec
+    if jax.typeof(zero).sharding.spec != spec:  # Explicit axes: select wants equal types
+      zero = jax.sharding.reshard(zero, spec)
+    return jnp.where(zero, jnp.zeros_like(g), g)
 
   added = jax.tree.map(contribution, total)
   valid_weight = jnp.isfinite(weight) & (weight >= 0)

@@ -10,7 +10,7 @@ from helpers import run_script
 
 def test_suite_quick_run(tmp_path):
   out = tmp_path / "suite.json"
-  run_script("benchmarks/run.py", "--quick", "--ks", "2,8", "--out", str(out), "--images",
+  run_script("benchmarks/run.py", "--quick", "--ks", "8", "--out", str(out), "--images",
              str(tmp_path))
   payload = json.loads(out.read_text())
   assert payload["device"] and payload["versions"]["jax"]
@@ -57,28 +57,3 @@ def test_suite_quick_run(tmp_path):
   for path in payload["images"]:
     with open(path, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-
-
-def test_instep_benchmark_quick_run(tmp_path):
-  out = tmp_path / "instep.json"
-  run_script("benchmarks/instep.py", "--quick", "--models", "mlp", "--ks", "8", "--out",
-             str(out))
-  results = json.loads(out.read_text())["results"]["mlp"]
-  assert results["fxaccum_k8"]["reductions_in_loops"] == 0
-  assert results["fxaccum_k8"]["grad_rel_err"] < 1e-5
-
-
-def test_crossstep_benchmark_quick_run(tmp_path):
-  out = tmp_path / "crossstep.json"
-  run_script("benchmarks/crossstep.py", "--quick", "--models", "mlp", "--out", str(out))
-  payload = json.loads(out.read_text())
-  k, results = payload["k"], payload["results"]["mlp"]
-  deferred, multisteps = results["fxaccum_deferred"], results["multisteps"]
-  # Deferred sync: no gradient-sized reduction outside the boundary branch, and 1/k of
-  # MultiSteps' reduction bytes (plus at most one small loss reduction per call).
-  assert deferred["large_reductions_outside_cond"] == 0
-  assert deferred["reduction_bytes_per_step"] <= (
-      multisteps["reduction_bytes_per_step"] / k + 64 * k)
-  assert deferred["params_rel_err"] < 1e-5
-  assert deferred["grad_rel_err"] < 1e-5  # the window's mean gradient that Adam was handed
-  assert deferred["optimizer_steps_after_window"] == 1

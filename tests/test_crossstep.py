@@ -103,17 +103,21 @@ def test_nnx_optimizer_matches_large_batch(name):
 
   @nnx.jit
   def train_step(model, opt, x, y):
-    opt.update(model, nnx.grad(loss)(model, x, y))
+    return opt.update(model, nnx.grad(loss)(model, x, y))
 
+  updates = []
   for call in range(K * STEPS):
-    train_step(model, opt, x[call], y[call])
+    updates.append(train_step(model, opt, x[call], y[call]))
     assert bool(fxaccum.is_boundary(opt.opt_state)) == ((call + 1) % K == 0)
   assert int(opt.step[...]) == STEPS and int(opt.micro_step) == 0
 
   ref_opt = nnx.Optimizer(ref_model, OPTIMIZERS[name](), wrt=nnx.Param)
   for step in range(STEPS):
     xb, yb = x[step * K:(step + 1) * K].reshape(-1, 4), y[step * K:(step + 1) * K].reshape(-1, 2)
-    ref_opt.update(ref_model, nnx.grad(loss)(ref_model, xb, yb))
+    ref_updates = ref_opt.update(ref_model, nnx.grad(loss)(ref_model, xb, yb))
+    # update returns what nnx.Optimizer.update returns: the step's updates (zeros between)
+    assert_tree_close(updates[(step + 1) * K - 1], ref_updates, rtol=1e-5)
+    assert not any(np.any(u) for u in jax.tree.leaves(updates[step * K]))
   assert_tree_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param), rtol=1e-6)
   assert_tree_close(nnx.as_pure(opt.opt_state)[1], nnx.as_pure(ref_opt.opt_state), rtol=1e-6)
 

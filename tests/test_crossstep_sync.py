@@ -1,5 +1,9 @@
 """Deferred (cond-based) sync: per-device partial sums, one reduction per optimizer step."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import optax
@@ -70,6 +74,40 @@ def test_deferred_sync_reduces_only_inside_the_boundary_branch(axis_type):
   ref = one_device_run(params, calls)
   assert_tree_close(state.params, ref.params, rtol=1e-5)
   assert_tree_close(state.opt_state[1], ref.opt_state[1], rtol=1e-5)
+
+
+ONE_DEVICE = """
+import jax, jax.numpy as jnp, numpy as np, optax, fxaccum
+assert jax.device_count() == 1
+loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+tx = optax.chain(fxaccum.accumulate(4, data_axes="data"), optax.sgd(0.1))
+grad_fn = fxaccum.value_and_grad(loss, micro_batches=1, reduce=False)
+step = jax.jit(lambda s, b: s.apply_gradients(grads=grad_fn(s.params, b)[1]))
+mesh = jax.make_mesh((1,), ("data",))
+params = {"w": np.ones((3, 1), np.float32), "b": np.zeros(1, np.float32)}  # 1-D: the case
+rng = np.random.default_rng(0)
+calls = [{"x": rng.normal(size=(2, 3)).astype(np.float32),
+          "y": rng.normal(size=(2, 1)).astype(np.float32)} for _ in range(4)]
+with jax.set_mesh(mesh):
+  state = fxaccum.TrainState.create(apply_fn=None, params=params, tx=tx)
+  for b in calls:
+    state = step(state, jax.device_put(b, jax.NamedSharding(mesh, jax.P("data"))))
+whole = {k: np.concatenate([c[k] for c in calls]) for k in calls[0]}
+ref = jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params, whole))
+print(int(state.step), max(float(np.max(np.abs(np.asarray(a) - b)))
+                           for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref))))
+"""
+
+
+def test_deferred_sync_on_a_one_device_explicit_mesh():
+  """The degenerate mesh (data 1, the only device): the per-device weight and slot types
+  differ there; the window must still step like one large-batch step."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  result = subprocess.run([sys.executable, "-c", ONE_DEVICE], capture_output=True,
+                          text=True, timeout=300, env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  steps, error = result.stdout.split()
+  assert steps == "1" and float(error) < 1e-6, result.stdout
 
 
 def test_reduced_gradients_reduce_every_call():

@@ -1,5 +1,6 @@
 """The docs: the MkDocs site builds offline without warnings, every public object has a
-runnable docstring example (run by --doctest-modules), and the quick start's scripts run."""
+runnable docstring example (run by --doctest-modules), and every code block of the README
+and the docs runs as written."""
 
 import doctest
 import inspect
@@ -7,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import tomllib
 
 import pytest
@@ -130,53 +132,90 @@ def test_index_signatures_match_the_code():
     assert documented == actual, f"docs/index.md: {path}({params}) vs the code's {actual}"
 
 
-def python_blocks(page):
-  text = (ROOT / "docs" / page).read_text()
-  return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+# A fenced python block, optionally after a marker: <!-- snippet: skip REASON --> (not run)
+# or <!-- snippet: raises ERROR --> (run; must fail with ERROR, e.g. a JAX reproducer).
+BLOCK = re.compile(r"(?:<!-- snippet: (skip|raises) ([^>]*?) -->\s*\n)?([ \t]*)```python\n"
+                   r"(.*?)\n[ \t]*```", flags=re.DOTALL)
+PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
 
 
-def test_quickstart_scripts_run():
-  """The quick start's two scripts are complete programs: run them as written."""
-  blocks = python_blocks("quickstart.md")
-  assert len(blocks) == 2, blocks
-  outputs = []
-  for code in blocks:
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, f"{code}\n{result.stdout}\n{result.stderr}"
-    outputs.append(result.stdout)
-  error = float(re.search(r"max relative error: (\S+)", outputs[0]).group(1))
-  assert error < 1e-5, outputs[0]
-  assert re.search(r"all-reduce\s+top\s+data\s", outputs[0]), outputs[0]
-  assert "loop" not in outputs[0], outputs[0]
-  assert re.findall(r"call (\d): optimizer step (\d)", outputs[1]) == [("3", "1"), ("7", "2")]
+def snippets():
+  found = {}
+  for page in PAGES:
+    for index, (marker, arg, _, code) in enumerate(BLOCK.findall((ROOT / page).read_text())):
+      found[f"{page}[{index}]"] = (marker, arg.strip(), textwrap.dedent(code) + "\n")
+  return found
 
 
-def run_python(code: str) -> str:
-  result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-  assert result.returncode == 0, f"{code}\n{result.stdout}\n{result.stderr}"
-  return result.stdout
+SNIPPETS = snippets()
 
 
-def test_nnx_page_scripts_run():
-  """docs/nnx.md's in-step (BatchNorm + Dropout + nnx.Optimizer) and cross-step
-  (fxaccum.Optimizer) scripts run as written and print what the page says."""
-  instep, crossstep = python_blocks("nnx.md")
-  out = run_python(instep)
-  assert len(re.findall(r"step \d: loss [\d.]+", out)) == 5, out
-  assert "BatchNorm running mean moved: True" in out, out
-  assert "RNG count after 5 steps of 4 micro-batches: 20" in out, out
-  out = run_python(crossstep)
+def check_quickstart_instep(out):
+  error = float(re.search(r"max relative error: (\S+)", out).group(1))
+  assert error < 1e-5, out
+  assert re.search(r"all-reduce\s+top\s+data\s", out), out
+  assert "loop" not in out, out
+
+
+def check_calls(out):
   assert re.findall(r"call (\d): optimizer step (\d)", out) == [("3", "1"), ("7", "2")], out
 
 
-def test_metrics_script_runs():
-  """docs/instep.md#metrics: every marked aux leaf equals the whole batch's metric."""
-  (code,) = python_blocks("instep.md")[-1:]
-  out = run_python(code)
+def check_nnx_instep(out):
+  assert len(re.findall(r"step \d: loss [\d.]+", out)) == 5, out
+  assert "BatchNorm running mean moved: True" in out, out
+  assert "RNG count after 5 steps of 4 micro-batches: 20" in out, out
+
+
+def check_metrics(out):
+  """Every marked aux leaf equals the whole batch's metric."""
   accuracy = re.search(r"accuracy\s+(\S+) whole batch: (\S+)", out).groups()
   assert abs(float(accuracy[0]) - float(accuracy[1])) < 1e-6, out
   correct = re.search(r"correct tokens\s+(\d+) whole batch: (\d+)", out).groups()
   assert correct[0] == correct[1], out
   assert "equal to the whole batch's: True" in out, out
+
+
+def check_equal_pair(out):
+  a, b = (float(v) for v in out.split()[-2:])
+  assert abs(a - b) <= 1e-5 * abs(b), out
+
+
+# What a snippet prints that its page claims, checked beyond "it runs".
+CHECKS = {
+    "docs/quickstart.md[0]": check_quickstart_instep,
+    "docs/quickstart.md[1]": check_calls,
+    "docs/nnx.md[0]": check_nnx_instep,
+    "docs/nnx.md[1]": check_calls,
+    "docs/instep.md[0]": check_equal_pair,
+    "docs/instep.md[1]": lambda out: "view='global'" in out or pytest.fail(out),
+    "docs/instep.md[2]": lambda out: "('fsdp', None)" in out or pytest.fail(out),
+    "docs/instep.md[3]": lambda out: out.split() == ["0.0", "1"] or pytest.fail(out),
+    "docs/instep.md[4]": check_metrics,
+    "docs/normalization.md[0]": check_equal_pair,
+    "docs/pipeline.md[1]": lambda out: float(out) < 1e-6 or pytest.fail(out),
+    "docs/pipeline.md[2]": lambda out: "4 all-gathers" in out or pytest.fail(out),
+    "README.md[1]": lambda out: "2 optimizer steps" in out or pytest.fail(out),
+    "docs/crossstep.md[1]": lambda out: "2 optimizer steps" in out or pytest.fail(out),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SNIPPETS))
+def test_snippet_runs_as_written(name, tmp_path):
+  """Every python block of the README and the docs is a complete program: it runs in a
+  fresh interpreter (and prints what its page says, where CHECKS knows it)."""
+  marker, arg, code = SNIPPETS[name]
+  if marker == "skip":
+    pytest.skip(arg)
+  result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)  # with the suite's 8 CPU devices
+  if marker == "raises":
+    assert result.returncode != 0 and arg in result.stderr, (code, result.stderr[-3000:])
+    return
+  assert result.returncode == 0, f"{code}\n{result.stdout}\n{result.stderr[-3000:]}"
+  CHECKS.get(name, lambda out: None)(result.stdout)
+
+
+def test_every_page_is_scanned_for_snippets():
+  assert {name.split("[")[0] for name in SNIPPETS} >= {"README.md", "docs/quickstart.md",
+                                                        "docs/instep.md", "docs/pipeline.md"}

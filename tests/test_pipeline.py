@@ -190,3 +190,28 @@ def test_params_without_a_leading_stage_dimension():
   mesh = jax.make_mesh((2, 4), ("data", "stage"))
   with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"\['w'\] has shape \(\)"):
     fxaccum.pipeline(block, {"w": jnp.float32(1)}, jnp.ones((8, DIM)), micro_batches=2)
+
+
+def test_idle_iterations_put_no_nan_into_the_gradient():
+  """A stage with an infinite derivative at 0: the idle iterations must not feed it zeros
+  (their cotangent is 0, and 0 * inf = NaN)."""
+  def stage(p, h):
+    return p["w"] * jnp.sqrt(h)
+
+  stages = {"w": jnp.full((4,), 1.5)}
+  x = jnp.linspace(0.5, 2.0, 32).reshape(16, 2)
+  mesh = jax.make_mesh((2, 4), ("data", "stage"), axis_types=(AxisType.Auto,) * 2)
+
+  def loss(p, x, body):
+    return jnp.sum(body(p, x))
+
+  def loop(p, h):
+    for s in range(4):
+      h = stage({"w": p["w"][s]}, h)
+    return h
+
+  ref = jax.grad(loss)(stages, x, loop)
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax.grad(loss), static_argnums=2)(stages, x, lambda p, h: fxaccum.pipeline(
+        stage, p, h, micro_batches=4))
+  assert_tree_close(got, ref, rtol=1e-5)
