@@ -1,12 +1,12 @@
 """fxaccum: exact, communication-optimal, memory-flat gradient accumulation for JAX."""
 
 from fxaccum import checkpoint, diagnostics
+from fxaccum._flax import Optimizer, TrainState
+from fxaccum._instep import grad, value_and_grad
 from fxaccum._pipeline import pipeline
-from fxaccum.flax import Optimizer, TrainState
-from fxaccum.grad import grad, value_and_grad
-from fxaccum.sync import Unreduced
-from fxaccum.transform import AccumulateState, accumulate, apply_gradients, is_boundary
-from fxaccum.weighted import Concat, Sum, Weighted
+from fxaccum._sync import Unreduced
+from fxaccum._transform import AccumulateState, accumulate, apply_gradients, is_boundary
+from fxaccum._weighted import Concat, Sum, Weighted
 
 __version__ = "0.1.0"
 

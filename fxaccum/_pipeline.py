@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from fxaccum import split, sync
+from fxaccum import _split as split
+from fxaccum import _sync as sync
 
 __all__ = ["bubble_fraction", "pipeline"]
 

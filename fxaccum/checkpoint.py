@@ -40,8 +40,9 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from fxaccum import flax as fx_flax
-from fxaccum import sync, transform
+from fxaccum import _flax as fx_flax
+from fxaccum import _sync as sync
+from fxaccum import _transform as transform
 
 __all__ = ["SCHEMA_VERSION", "save", "restore", "CheckpointMismatchError"]
 

@@ -27,7 +27,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from fxaccum import _view, sync
+from fxaccum import _sync as sync
+from fxaccum import _view
 from fxaccum._pipeline import bubble_fraction
 from fxaccum._view import Path
 

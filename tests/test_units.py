@@ -9,7 +9,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fxaccum import diagnostics, split, sync
+from fxaccum import _split as split
+from fxaccum import _sync as sync
+from fxaccum import diagnostics
 
 # A hand-written module on a (data 4, model 2) mesh: device d sits at (d // 2, d % 2).
 HLO = """\

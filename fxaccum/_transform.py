@@ -27,8 +27,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fxaccum import split, sync
-from fxaccum.weighted import safe_divide
+from fxaccum import _split as split
+from fxaccum import _sync as sync
+from fxaccum._weighted import safe_divide
 
 __all__ = ["AccumulateState", "accumulate", "apply_gradients", "is_boundary"]
 

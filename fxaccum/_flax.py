@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.training import train_state
 
-from fxaccum import sync, transform
+from fxaccum import _sync as sync
+from fxaccum import _transform as transform
 
 __all__ = ["TrainState", "Optimizer"]
 

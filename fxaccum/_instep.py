@@ -28,8 +28,10 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fxaccum import _analysis, _nnx, _view, split, sync
-from fxaccum.weighted import Concat, Sum, Weighted, safe_divide, weight_dtype
+from fxaccum import _analysis, _nnx, _view
+from fxaccum import _split as split
+from fxaccum import _sync as sync
+from fxaccum._weighted import Concat, Sum, Weighted, safe_divide, weight_dtype
 
 __all__ = ["value_and_grad", "grad"]
 
@@ -108,7 +110,7 @@ def value_and_grad(
     micro_batches: number ``k`` of micro-batches per call (a positive Python int).
     batch_argnums: positional argument(s) holding the batch, split along axis 0.
     data_axes: mesh axis name(s) the batch's axis 0 is sharded over; ``None`` infers them
-      (see :mod:`fxaccum.sync`).
+      (see :mod:`fxaccum._sync`).
     accum_dtype: dtype of the gradient accumulators (float32 by default, also for bf16
       params). Loss totals are always summed in at least float32, weights in int32 or
       float32.
