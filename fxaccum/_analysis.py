@@ -310,6 +310,7 @@ def _ratio_exp(a: np.ndarray, b: np.ndarray) -> Exp:
 def _literal(var, partner) -> Const:
   value = np.asarray(var.val)
   scalar = float(value) if value.size == 1 and value.dtype.kind in "biuf" else None
+  exp: float | None
   if partner is None:
     exp = 0.0
   else:  # the same operand in the trace at twice the rows: a number there too?
@@ -362,7 +363,7 @@ def _add_exps(kinds) -> Exp:
   return None if None in exps else float(sum(exps))
 
 
-_FOLD = {
+_FOLD: dict[str, Callable[..., Any]] = {
     "neg": lambda a: -a, "convert_element_type": lambda a: a, "copy": lambda a: a,
     "reduce_precision": lambda a: a, "add": lambda a, b: a + b, "sub": lambda a, b: a - b,
     "mul": lambda a, b: a * b, "div": lambda a, b: a / b if b else None,
@@ -419,7 +420,7 @@ def _elementwise(w: _Walker, eqn, kinds: list[Kind]) -> list[Kind]:
   if stats:
     return [_linear(eqn, kinds, exp)] * len(eqn.outvars)
   fold = _FOLD.get(eqn.primitive.name)
-  values = [k.value for k in kinds]
+  values = [getattr(k, "value", None) for k in kinds]  # Const kinds here
   value = fold(*values) if fold and None not in values else None
   return [Const(_const_uniform(kinds, eqn), value, exp)] * len(eqn.outvars)
 
@@ -910,7 +911,7 @@ def _scan(w: _Walker, eqn, kinds, sources):
     if pos >= n_consts:  # a param as loop state or sliced per iteration
       w.not_reducible.add(param)
   body_sources = {pos: q for pos, q in sources.items() if pos < n_consts}
-  sliced = []
+  sliced: list[Kind] = []
   for k in xs:
     if isinstance(k, Rows):
       sliced.append(Rows(k.dim - 1, k.mixed, k.exp) if k.dim > 0 else Top(_where(
@@ -926,7 +927,7 @@ def _scan(w: _Walker, eqn, kinds, sources):
 
   carry = w.loop(step, list(carry))
   ys = _inner(w, body, [*consts, *carry, *sliced], body_sources)[n_carry:]
-  stacked = []
+  stacked: list[Kind] = []
   for k in ys:
     if isinstance(k, Rows):
       stacked.append(Rows(k.dim + 1, k.mixed, k.exp))
@@ -963,10 +964,11 @@ def _cond(w: _Walker, eqn, kinds, sources):
   branch_sources = {pos - 1: q for pos, q in sources.items() if pos >= 1}
   if 0 in sources:
     w.not_reducible.add(sources[0])
-  outs = None
+  outs: list[Kind] | None = None
   for branch in eqn.params["branches"]:
     got = _inner(w, branch, list(operands), branch_sources)
     outs = got if outs is None else [_join(a, b) for a, b in zip(outs, got, strict=True)]
+  assert outs is not None  # a conditional has at least one branch
   if not isinstance(index, Const) or index.exp is None:
     return [Top(_where(eqn, "a conditional on batch values"))] * len(outs)
   return outs

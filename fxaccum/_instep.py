@@ -20,7 +20,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +37,13 @@ __all__ = ["value_and_grad", "grad"]
 
 FsdpReduce = Literal["per_micro_batch", "per_step"]
 LossReduction = Literal["mean", "sum"]
+# The returned function takes fun's own parameters; its result is (value, grads), with
+# value = (loss, aux) for has_aux=True, as jax.value_and_grad's.
+_P = ParamSpec("_P")
 
 
 def value_and_grad(
-    fun: Callable[..., Any],
+    fun: Callable[_P, Any],
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     *,
@@ -55,7 +58,7 @@ def value_and_grad(
     param_shardings: Any = None,
     skip_nonfinite: bool = False,
     loss_reduction: LossReduction = "mean",
-) -> Callable[..., Any]:
+) -> Callable[_P, tuple[Any, Any]]:
   """Like ``jax.value_and_grad``, over ``micro_batches`` micro-batches of the batch.
 
   The leaves of the arguments at ``batch_argnums`` are split along axis 0 into
@@ -179,11 +182,11 @@ def value_and_grad(
 
 
 def grad(
-    fun: Callable[..., Any],
+    fun: Callable[_P, Any],
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     **kwargs: Any,
-) -> Callable[..., Any]:
+) -> Callable[_P, Any]:
   """Like ``jax.grad``, over micro-batches; see :func:`value_and_grad` for the arguments.
 
   Returns ``grads``, or ``(grads, aux)`` with ``has_aux=True`` (and with
@@ -251,7 +254,7 @@ def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, rng_arg
       loss_reduction=loss_reduction)
 
 
-def _call(config: _Config, axes_override, shardings, compiled: dict, args: tuple,
+def _call(config: _Config, axes_override, shardings, compiled: dict, args: Sequence[Any],
           kwargs: dict) -> Any:
   """One call of the function ``value_and_grad`` returned."""
   highest = max((*config.diff_argnums, *config.batch_argnums, *config.rng_argnums))
@@ -573,8 +576,9 @@ def _analyze(config: _Config, layout: sync.Layout, call: _Call,
     twice, _ = trace_either(doubled)
   roles: list[_view.Role] = ["total", "weight"]
   for marker in jax.tree.leaves(aux, is_leaf=_is_marker):
-    roles.extend({Weighted: ["aux_total", "aux_weight"], Sum: ["aux_sum"],
-                  Concat: ["aux_concat"]}.get(type(marker), ["aux"]))
+    marker_roles: dict[type, list[_view.Role]] = {
+        Weighted: ["aux_total", "aux_weight"], Sum: ["aux_sum"], Concat: ["aux_concat"]}
+    roles.extend(marker_roles.get(type(marker), ["aux"]))
   n_diff, n_micro = len(call.diff_leaves), len(jax.tree.leaves(micro))
   n_state = len(jax.tree.leaves(state))
   # Threaded module state must pass through unchanged for the per-device view.
@@ -638,12 +642,12 @@ def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call)
   grad_specs = param_specs if config.reduce else (
       [batch_spec] * len(diff_leaves), batch_spec)  # per-device sums and weights
   # Aux sums are reduced (invariant); Concat rows stay with their device, like the batch.
-  aux_specs = P()
+  aux_specs: Any = P()
   if config.has_aux:
     micro = jax.eval_shape(lambda b: split.micro_batch(b, 0, config.micro_batches),
                            call.batch(config))
     aux_shapes = jax.eval_shape(  # typed as the loss sees them per device
-        lambda *a: call.loss(config, *a, 0)[2],
+        lambda d, m, s: call.loss(config, d, m, 0, s)[2],
         *jax.tree.map(lambda x: _gathered(x, axes, batch=True),
                       (call.diff_leaves, micro, call.state)))
     aux_specs = jax.tree.map(lambda m: batch_spec if isinstance(m, Concat) else P(),
@@ -764,9 +768,10 @@ def _global_loop(config: _Config, layout: sync.Layout, path: _view.Path,
 
   def constrain(i: int, x: jax.Array) -> jax.Array:
     # Auto meshes: keep accumulators and gradients sharded like the params (FSDP).
-    if reduced[i] or hints[i] is None or layout.mesh is None or _explicit(layout.mesh, axes):
+    hint = hints[i]
+    if reduced[i] or hint is None or layout.mesh is None or _explicit(layout.mesh, axes):
       return x
-    return lax.with_sharding_constraint(x, NamedSharding(layout.mesh, hints[i]))
+    return lax.with_sharding_constraint(x, NamedSharding(layout.mesh, hint))
 
   accumulators = [
       jnp.zeros(jnp.shape(leaf), config.accum_dtype, out_sharding=P(*spec, unreduced=r))
@@ -795,7 +800,7 @@ def _spec_of(leaf: Any, hint: P | None) -> tuple[Any, ...]:
   return tuple(spec)
 
 
-def _named(spec: Sequence[Any]) -> set[str]:
+def _named(spec: Any) -> set[str]:
   return {a for entry in spec for a in sync.spec_axes(entry)}
 
 

@@ -20,6 +20,9 @@ from flax import nnx
 
 __all__ = ["Modules", "argnums_and_filters"]
 
+# nnx.split's return is typed as a variadic tuple, which cannot be unpacked into names.
+_split_module: Callable[..., Any] = nnx.split
+
 
 def argnums_and_filters(argnums: Any) -> tuple[Any, dict[int, Any]]:
   """``argnums`` with ``nnx.DiffState(argnum, filter)`` entries replaced by their argnum,
@@ -58,10 +61,10 @@ class Modules:
     for i in positions:
       target = filters.get(i, nnx.Param) if i in diff_argnums else None
       if target is None:
-        graphdef, intermediates, rest = nnx.split(args[i], nnx.Intermediate, ...)
+        graphdef, intermediates, rest = _split_module(args[i], nnx.Intermediate, ...)
         args[i] = None
       else:
-        graphdef, args[i], intermediates, rest = nnx.split(args[i], target,
+        graphdef, args[i], intermediates, rest = _split_module(args[i], target,
                                                            nnx.Intermediate, ...)
       graphdefs.append(graphdef)
       wrt.append(target)
@@ -88,8 +91,8 @@ class Modules:
       new_states, sown = [], []
       for module, wrt, old in zip(modules, self.wrt, states, strict=True):
         filters = (wrt, nnx.Intermediate, ...) if wrt is not None else (nnx.Intermediate, ...)
-        *_, intermediates, rest = nnx.split(module, *filters)
-        if jax.tree.structure(rest) != jax.tree.structure(old):
+        *_, intermediates, rest = _split_module(module, *filters)
+        if jax.tree.structure(rest) != jax.tree.structure(old):  # type: ignore[operator]
           raise ValueError(
               "The loss created or removed module state other than sown values while it "
               f"ran ({jax.tree.structure(old)} -> {jax.tree.structure(rest)}); fxaccum "

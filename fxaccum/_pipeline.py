@@ -230,7 +230,7 @@ def _like(y: Any, h: Any) -> Any:
   Explicit mesh resharded like it where the types differ only in sharding."""
   def describe(tree):
     return jax.tree.map(lambda a: f"{jnp.dtype(a.dtype).name}{list(a.shape)}", tree)
-  if jax.tree.structure(y) != jax.tree.structure(h) or any(
+  if jax.tree.structure(y) != jax.tree.structure(h) or any(  # type: ignore[operator]
       (jnp.shape(a), jnp.result_type(a)) != (jnp.shape(b), jnp.result_type(b))
       for a, b in zip(jax.tree.leaves(y), jax.tree.leaves(h), strict=True)):
     raise ValueError(

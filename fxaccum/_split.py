@@ -56,7 +56,7 @@ def leading_size(batch: Any, micro_batches: int, devices: int = 1) -> int:
         "The batch arguments (batch_argnums) hold no arrays; pass the batch as the argument "
         "at batch_argnums, or set batch_argnums to where it is."
     )
-  sizes = {}
+  sizes: dict[int, str] = {}
   for path, leaf in paths_and_leaves:
     shape = jnp.shape(leaf)
     where = jax.tree_util.keystr(path) or "<batch>"
@@ -90,7 +90,7 @@ def leading_size(batch: Any, micro_batches: int, devices: int = 1) -> int:
   return size
 
 
-def micro_batch(batch: Any, index: jax.Array, micro_batches: int) -> Any:
+def micro_batch(batch: Any, index: jax.Array | int, micro_batches: int) -> Any:
   """Micro-batch ``index`` of ``batch``: rows ``index::micro_batches`` of every leaf."""
 
   def take(leaf):

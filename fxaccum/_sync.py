@@ -89,7 +89,7 @@ class Layout:
     dims = dict(self.param_dims[index])
     if not dims:
       return P()
-    entries = [None] * (max(dims) + 1)
+    entries: list[Any] = [None] * (max(dims) + 1)
     for dim, axes in dims.items():
       entries[dim] = axes if len(axes) > 1 else axes[0]
     return P(*entries)

@@ -499,7 +499,7 @@ def _check_weight(weight: Any) -> jax.Array:
 def _check_grads(total: Any, params: Any, unreduced: bool) -> None:
   """Same tree and, leaf by leaf, the params' shape (Unreduced: a leading device axis)."""
   params_def, grads_def = jax.tree.structure(params), jax.tree.structure(total)
-  if params_def != grads_def:
+  if params_def != grads_def:  # type: ignore[operator]
     raise ValueError(
         f"The gradient's tree structure does not match the params': {grads_def} vs "
         f"{params_def}. Pass grads for exactly the params the optimizer was built for."

@@ -88,7 +88,8 @@ def _view(state: Any, model: Any = None, tx: Any = None) -> _View:
           "Saving or restoring an fxaccum.Optimizer needs its model too: "
           "fxaccum.checkpoint.save(manager, step, optimizer, model=model).")
     params = nnx.as_pure(nnx.state(model, state.wrt, graph=state.graph))
-    tree = {"model": nnx.as_pure(nnx.state(model)), "optimizer": nnx.as_pure(nnx.state(state))}
+    tree: dict[str, Any] = {"model": nnx.as_pure(nnx.state(model)),
+                            "optimizer": nnx.as_pure(nnx.state(state))}
     return _View(tree, state.tx, params, tree["optimizer"]["opt_state"])
   if isinstance(state, fx_flax.TrainState):
     tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
@@ -273,6 +274,7 @@ def restore(manager: ocp.CheckpointManager, step: int | None, like: Any, *,
   canonical_like, raw_like = _canonical(view.tree, meta)
   target = _abstract(canonical_like, view.params, mesh)
   restore_items = {_STATE: ocp.args.StandardRestore(target)}
+  assert saved_meta is not None  # _check raised otherwise
   same_devices = {str(cfg["index"]) for key, cfg in meta["accumulators"].items()
                   if cfg.get("devices")
                   and saved_meta["accumulators"][key].get("devices") == cfg["devices"]}

@@ -524,3 +524,24 @@ def test_view_device_refuses_a_loss_it_cannot_run():
             lambda a: jax.device_put(a, NamedSharding(mesh, ulysses.batch_spec())), batch))
   with pytest.raises(ValueError, match="view must be"):
     fxaccum.value_and_grad(loss, micro_batches=2, view="sometimes")
+
+
+def test_device_view_aux_shapes_with_rng_argnums():
+  """The device view traces the loss once for its aux's shapes: that trace must pass the
+  micro-batch index and the module state in their places (a key folded with the index)."""
+  def loss(w, x, key):
+    scale = 1.0 + 0.0 * jax.random.uniform(key)
+    return jnp.mean(jnp.sum(x * w, axis=-1)) * scale, {"mean": jnp.mean(x)}
+
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  x = np.arange(64.0, dtype=np.float32).reshape(16, 4) / 64
+  w = np.ones(4, np.float32)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, P("data"))
+    (value, aux), grads = jax.jit(fxaccum.value_and_grad(
+        loss, has_aux=True, micro_batches=2, rng_argnums=2))(w, xs, jax.random.key(0))
+    paths = fxaccum.diagnostics.paths(jax.jit(fxaccum.value_and_grad(
+        loss, has_aux=True, micro_batches=2, rng_argnums=2)), w, xs, jax.random.key(0))
+  assert paths[0].view == "device", paths
+  (ref, ref_aux), ref_grads = jax.value_and_grad(loss, has_aux=True)(w, x, jax.random.key(0))
+  assert_tree_close((value, aux, grads), (ref, ref_aux, ref_grads))
