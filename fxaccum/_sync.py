@@ -40,8 +40,8 @@ from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "CONVENTIONAL_DATA_AXES", "Layout", "Unreduced", "conform", "find_mesh", "gather",
-    "known_spec", "plan", "reduce", "shard_map_keeping_axes", "spec_axes", "tracks_varying",
-    "vary", "varying_axes",
+    "known_spec", "plan", "reduce", "shard_map_keeping_axes", "spec_axes", "spec_entry",
+    "tracks_varying", "vary", "varying_axes",
 ]
 
 #: Auto mesh axes assumed to carry the batch when JAX cannot show its sharding.
@@ -91,7 +91,7 @@ class Layout:
       return P()
     entries: list[Any] = [None] * (max(dims) + 1)
     for dim, axes in dims.items():
-      entries[dim] = axes if len(axes) > 1 else axes[0]
+      entries[dim] = spec_entry(axes)
     return P(*entries)
 
 
@@ -162,7 +162,7 @@ def known_spec(leaf: Any) -> tuple[Any, ...]:
   entries = []
   for entry in [*sharding.spec] + [None] * (ndim - len(sharding.spec)):
     axes = tuple(a for a in spec_axes(entry) if a in known)
-    entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    entries.append(spec_entry(axes))
   return tuple(entries)
 
 
@@ -171,6 +171,11 @@ def spec_axes(entry: Any) -> tuple[str, ...]:
   if entry is None:
     return ()
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def spec_entry(axes: Sequence[str]) -> Any:
+  """The PartitionSpec entry over ``axes`` (the inverse of :func:`spec_axes`)."""
+  return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def find_mesh(leaves: Sequence[Any]) -> Any:
@@ -361,7 +366,7 @@ def conform(x: Any, spec: P, data_axes: tuple[str, ...]) -> Any:
   entries = []
   for have, want in zip(current, wanted, strict=True):
     axes = spec_axes(want) + tuple(a for a in spec_axes(have) if a not in data_axes)
-    entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    entries.append(spec_entry(axes))
   if tuple(entries) == tuple(current):
     return x
   return jax.sharding.reshard(x, P(*entries))
@@ -430,7 +435,7 @@ def _only(entries: Sequence[Any], keep: Callable[[str], bool]) -> P:
   out = []
   for entry in entries:
     axes = tuple(a for a in spec_axes(entry) if keep(a))
-    out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    out.append(spec_entry(axes))
   return P(*out)
 
 
@@ -481,7 +486,7 @@ def shard_map_keeping_axes(body: Callable[..., Any], *, mesh: Any, in_specs: Any
       entries = []          # axes' entries it had inside the body
       for mapped_entry, inner_entry in zip(_entries(o), inside, strict=True):
         axes = spec_axes(mapped_entry) + tuple(a for a in spec_axes(inner_entry) if a in kept)
-        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        entries.append(spec_entry(axes))
       return P(*entries)
 
     return jax.sharding.reshard(out, jax.tree.map(merged, out, seen["out"]))
