@@ -1,10 +1,12 @@
-"""Does a loss keep its examples apart? A conservative analysis of the loss's jaxpr.
+"""Does a loss keep its examples apart? A conservative analysis of a micro-step's jaxpr.
 
 fxaccum's fast in-step path runs the loss *per device* on that device's rows and adds the
 devices' results up. That equals running the loss on the global micro-batch only when the
-loss is a sum (or mean) of per-example terms. This module proves that from the jaxpr of
-the loss traced on the global micro-batch, following the batch axis (axis 0 of every batch
-leaf) through every equation. Each value gets a kind:
+loss and its gradients are sums (or means) of per-example terms. This module proves that
+from the jaxpr of one micro-step, **value and gradients together** (so custom derivative
+rules, ``custom_jvp`` and ``custom_vjp`` alike, are analyzed as the code they are), traced
+on the global micro-batch, following the batch axis (axis 0 of every batch leaf) through
+every equation. Each value gets a kind:
 
 * :class:`Rows` — a value with a batch-major dimension, each block of which depends on one
   example only (``mixed is None``), e.g. activations of a per-example model;
@@ -13,22 +15,24 @@ leaf) through every equation. Each value gets a kind:
   it is known not to vary;
 * :class:`Top` — batch-dependent with no structure the analysis can follow.
 
-Every kind also carries ``exp``: how the value scales with the number ``n`` of examples in
-the micro-batch, as a power ``n ** exp`` (a mean is a sum times ``n ** -1``). The per-device
-view runs the loss on ``n / D`` examples, so this decides whether per-device results add up
-to the global one (:func:`fxaccum._view.classify`). Exponents come from pairing the jaxpr
-with a second trace at ``2 n`` examples: a literal that doubles (``jnp.mean``'s divisor,
-``x.shape[0]``) scales as ``n``, one that stays (``/ 256.0``) is a constant, whatever its
-value. Without a second trace every literal counts as a constant.
+Every kind also carries ``exp``: how the value scales from one device's rows to the global
+micro-batch, as a power of the number ``D`` of data-parallel devices (a mean over the
+examples is a sum times ``n ** -1``, so ``D ** -1``). It comes from pairing the global
+jaxpr with the jaxpr of the program that really runs per device, traced on ``n / D``
+rows: every equation must match, a parameter may differ only where it is a shape that
+follows the batch (a slice of the whole batch, a broadcast to the batch's rows), and a
+literal or constant that differs scales by the ratio of its two values (``jnp.mean``'s
+divisor ``n`` against ``n / D``: ``D ** 1``; ``max(n, 8)`` gives a ratio that is no power
+of ``D`` unless the two programs really divide alike). The proof is therefore about the
+two programs that run, not about a rule guessed from one size: a loss whose operations
+change with the number of rows (a Python branch on ``x.shape[0]``, a loop of ``n`` steps,
+a shape ``(n, n)``) is either found to combine exactly or takes the global view. Without
+a partner trace every literal counts as a constant.
 
 Anything the rules do not recognize is treated as mixing examples; each value keeps the
 first reason it mixes (with its source line) for diagnostics. The same walk finds the
 params used only as a matmul operand against batch rows: those can be typed ``reduced``
 on an Explicit mesh so their gradients stay unreduced across the micro-batch loop.
-
-Custom derivative rules: ``custom_jvp`` functions are analyzed through their primal
-(their JVP rule is assumed to be its derivative); ``custom_vjp`` functions are opaque and
-count as mixing examples, since their backward pass is arbitrary code.
 """
 
 from __future__ import annotations
@@ -38,12 +42,14 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend import core as jcore
+from jax.sharding import Mesh, PartitionSpec, Sharding
 
 __all__ = ["Const", "Rows", "Stat", "Top", "Analysis", "analyze", "depends_on", "mixing"]
 
-Exp = float | None  # the value scales as n ** exp; None: some other dependence on n
+Exp = float | None  # the value scales as D ** exp; None: some other dependence on n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,17 +64,20 @@ class Const:
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-  """Has batch-major dimension ``dim``; ``mixed`` says why its blocks mix examples."""
+  """Has batch-major dimension ``dim``; ``mixed`` says why its blocks mix examples.
+  ``order`` names the permutation of the examples along ``dim`` (0: the batch's own
+  order; a reversal gives another), so values in different orders are never paired."""
 
   dim: int
   mixed: str | None = None
   exp: Exp = 0.0
+  order: Any = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Stat:
   """Reduced over the batch axis; ``mixed`` says why it is no linear sum of per-example
-  terms (times ``n ** exp``); ``ratio``: it divides by another batch statistic (e.g. a
+  terms (times ``D ** exp``); ``ratio``: it divides by another batch statistic (e.g. a
   token mean of this micro-batch)."""
 
   mixed: str | None = None
@@ -115,27 +124,35 @@ def analyze(
     rows: int,
     batch_inputs: Sequence[int],
     param_inputs: Sequence[int],
-    twice: Any = None,
+    partner: Any = None,
+    partner_rows: int | None = None,
 ) -> Analysis:
   """Walks ``closed_jaxpr`` whose inputs at ``batch_inputs`` have ``rows`` examples on
-  axis 0; ``param_inputs`` are followed for :attr:`Analysis.reducible`. ``twice`` is the
-  same loss traced with ``2 * rows`` examples, for the exponents (see the module doc)."""
+  axis 0; ``param_inputs`` are followed for :attr:`Analysis.reducible`. ``partner`` is the
+  same computation traced with ``partner_rows`` examples (the per-device program), for
+  the exponents (see the module doc)."""
   jaxpr = closed_jaxpr.jaxpr
-  walker = _Walker(rows)
-  if twice is not None:
+  base = rows / partner_rows if partner is not None and partner_rows else None
+  walker = _Walker(rows, base)
+  if walker.symbol is not None:
+    walker.mark_symbolic(jaxpr)
+  unpaired = None
+  if partner is not None:
     try:
-      walker.pair(jaxpr, twice.jaxpr)
-    except _Unpaired:
-      reason = "the loss's operations change with the micro-batch size"
-      return Analysis(tuple(Top(reason) for _ in jaxpr.outvars), (), frozenset())
+      walker.pair(jaxpr, partner.jaxpr)
+    except _Unpaired as err:
+      unpaired = ("the loss's operations change with the number of rows (the per-device "
+                  f"program differs from the global one{err.where})")
+      walker, partner = _Walker(rows), None
   kinds = [Rows(0) if i in set(batch_inputs) else Const() for i in range(len(jaxpr.invars))]
-  partner_consts = twice.consts if twice is not None else closed_jaxpr.consts
-  if len(partner_consts) != len(closed_jaxpr.consts):
-    partner_consts = [None] * len(closed_jaxpr.consts)
+  partner_consts = partner.consts if partner is not None else [None] * len(
+      closed_jaxpr.consts)
   consts = [walker.const_kind(c, d) for c, d in zip(closed_jaxpr.consts, partner_consts,
                                                      strict=True)]
   origins = {i: p for p, i in enumerate(param_inputs)}
   outputs = walker.run(jaxpr, consts, kinds, origins)
+  if unpaired is not None:  # a reason it mixes examples says more, where there is one
+    outputs = [k if mixing(k) else Top(unpaired) for k in outputs]
   used_params = set(range(len(param_inputs)))
   return Analysis(tuple(outputs), tuple(dict.fromkeys(walker.blockers)),
                   frozenset(used_params - walker.not_reducible))
@@ -155,7 +172,11 @@ def depends_on(closed_jaxpr: Any, values: Sequence[Any]) -> list[bool]:
 
 
 class _Unpaired(Exception):
-  """The two traces differ in structure."""
+  """The two traces differ in structure (``where``: the first equation that differs)."""
+
+  def __init__(self, where: str = ""):
+    super().__init__(where)
+    self.where = where
 
 
 # ---------------------------------------------------------------------------------------
@@ -164,47 +185,219 @@ class _Unpaired(Exception):
 
 class _Walker:
 
-  def __init__(self, rows: int):
+  def __init__(self, rows: Any, base: float | None = None):
     self.rows = rows
+    self.base = base  # D: rows over the partner's rows; None without a partner
+    # Symbolic mode: ``rows`` is a symbolic dimension (jax.export), every size that
+    # follows it is an expression in it, and no partner trace is needed.
+    self.symbol = None if _is_constant(rows) else rows
     self.blockers: list[str] = []
     self.not_reducible: set[int] = set()
-    # id(eqn) -> the same equation at 2 * rows; id(jaxpr) -> the same jaxpr
+    # id(eqn) -> the same equation in the partner trace; id(jaxpr) -> the same jaxpr
     self.partners: dict[int, Any] = {}
+    # id(eqn) -> the names of its parameters that differ in the partner trace
+    self.changed: dict[int, tuple[str, ...]] = {}
+    # var -> its shape in the partner trace, where no partner equation gives it (a sum
+    # over a dimension of size 1 there, which JAX left out or kept as a dimension)
+    self.virtual: dict[Any, tuple[int, ...]] = {}
 
-  # -- pairing with the trace at twice the rows ----------------------------------------
+  # -- pairing with the per-device trace -----------------------------------------------
 
   def pair(self, a, b) -> None:
-    if len(a.eqns) != len(b.eqns) or len(a.outvars) != len(b.outvars):
+    """Matches jaxpr ``a`` (the global program) with ``b`` (the per-device one) equation
+    by equation, following the data flow: equal primitives applied to corresponding
+    values. An equation of ``a`` that is the identity at ``b``'s sizes (a sum over a
+    dimension that has one row per device, a broadcast to it: JAX leaves those out) may
+    have no partner; where both readings fit, the match is tried first and the other on
+    failure. Anything else that differs raises :class:`_Unpaired`."""
+    if (len(a.invars) != len(b.invars) or len(a.outvars) != len(b.outvars)
+        or len(a.constvars) != len(b.constvars)):
       raise _Unpaired
+    env = dict(zip([*a.constvars, *a.invars], [*b.constvars, *b.invars], strict=True))
+    trail: list[Any] = []  # the keys added to env, in order (undone on backtracking)
+    matched: list[tuple[Any, Any]] = []
+    choices: list[tuple[int, int, int, int, Any]] = []  # where a skip was possible too
+    i = j = furthest = 0
+    budget = 4 * len(a.eqns) + 16
+    while True:
+      if i == len(a.eqns):
+        if j == len(b.eqns) and _corresponds(a.outvars, b.outvars, env):
+          break
+        ok = False
+      else:
+        ea, eb = a.eqns[i], b.eqns[j] if j < len(b.eqns) else None
+        skip = self._identity_at_partner(ea, env)
+        ok = True
+        if eb is not None and ea.primitive is eb.primitive and len(ea.outvars) == len(
+            eb.outvars) and _corresponds(ea.invars, eb.invars, env):
+          if skip is not None:
+            choices.append((i, j, len(trail), len(matched), skip))
+          env.update(zip(ea.outvars, eb.outvars, strict=True))
+          trail.extend(ea.outvars)
+          matched.append((ea, eb))
+          i, j = i + 1, j + 1
+        elif skip is not None:
+          env[ea.outvars[0]] = skip
+          trail.append(ea.outvars[0])
+          i += 1
+        else:
+          ok = False
+        furthest = max(furthest, i)
+      if ok:
+        continue
+      budget -= 1
+      if not choices or budget < 0:
+        where = a.eqns[min(furthest, len(a.eqns) - 1)] if a.eqns else None
+        raise _Unpaired(_where(where, f": {where.primitive.name}") if where else "")
+      i, j, mark, n_matched, skip = choices.pop()
+      for key in trail[mark:]:
+        del env[key]
+      del trail[mark:], matched[n_matched:]
+      env[a.eqns[i].outvars[0]] = skip
+      trail.append(a.eqns[i].outvars[0])
+      i += 1
     self.partners[id(a)] = b
-    for ea, eb in zip(a.eqns, b.eqns, strict=True):
-      if ea.primitive is not eb.primitive or len(ea.invars) != len(eb.invars):
-        raise _Unpaired
-      self.partners[id(ea)] = eb
-      for key, value in ea.params.items():
-        subs_a, subs_b = _subjaxprs(value), _subjaxprs(eb.params.get(key))
+    paired = {id(ea) for ea, _ in matched}
+    for ea in a.eqns:  # left out in the partner: its result has the partner's shape there
+      if id(ea) not in paired:
+        self.virtual[ea.outvars[0]] = _reduced_shape(ea, _shape(env[ea.invars[0]]))
+    for ea, eb in matched:
+      self._pair_eqn(ea, eb)
+
+  def _pair_eqn(self, ea, eb) -> None:
+    self.partners[id(ea)] = eb
+    changed = []
+    for key in sorted(set(ea.params) | set(eb.params)):
+      va, vb = ea.params.get(key), eb.params.get(key)
+      subs_a, subs_b = _subjaxprs(va), _subjaxprs(vb)
+      if subs_a or subs_b:
         if len(subs_a) != len(subs_b):
-          raise _Unpaired
+          raise _Unpaired(_where(ea, f": {ea.primitive.name}"))
         for sa, sb in zip(subs_a, subs_b, strict=True):
           self.pair(sa, sb)
+        for ca, cb in zip(_closed(va), _closed(vb), strict=False):
+          self.partners[("closed", id(ca))] = cb
+      elif not _same_param(va, vb):
+        changed.append(key)
+    if changed:
+      self.changed[id(ea)] = tuple(changed)
+    if "axes" in changed and ea.primitive.name in _NOOP_REDUCTIONS:
+      # Reduced over a dimension that has one row per device: as if the partner had too.
+      self.virtual[ea.outvars[0]] = _reduced_shape(ea, _shape(eb.invars[0]))
 
-  def scaled_dims(self, eqn, position: int) -> set[int]:
-    """Dims of input ``position`` whose size changes with the micro-batch size."""
+  def _identity_at_partner(self, eqn, env) -> Any:
+    """The partner's value that ``eqn``'s result is, if ``eqn`` is the identity at the
+    partner's sizes, else None."""
+    name = eqn.primitive.name
+    source = eqn.invars[0] if eqn.invars else None
+    if (self.base is None or isinstance(source, jcore.Literal) or source not in env
+        or len(eqn.outvars) != 1):
+      return None
+    theirs = env[source]
+    shape = _shape(theirs)
+    if name in _NOOP_REDUCTIONS:
+      axes = eqn.params["axes"]
+      ok = len(shape) == len(_shape(source)) and all(shape[d] == 1 for d in axes)
+    elif name in _NOOP_RESHAPES and len(eqn.invars) == 1:
+      out = _shape(eqn.outvars[0])
+      ok = len(out) == len(shape) and all(
+          x == y or x == y * self.base for x, y in zip(out, shape, strict=True))
+    else:
+      ok = False
+    return theirs if ok else None
+
+  def partner_shape(self, eqn, position: int, out: bool = False) -> tuple[int, ...] | None:
+    var = (eqn.outvars if out else eqn.invars)[position]
+    if not isinstance(var, jcore.Literal) and var in self.virtual:
+      return self.virtual[var]
     partner = self.partners.get(id(eqn))
     if partner is None:
-      return set()
-    a, b = _shape(eqn.invars[position]), _shape(partner.invars[position])
-    return {d for d, (x, y) in enumerate(zip(a, b, strict=False)) if x != y}
+      return None
+    return _shape((partner.outvars if out else partner.invars)[position])
 
-  def const_kind(self, value, twice) -> Const:
-    if value is twice:
-      return Const()
-    if twice is None:
+  def mark_symbolic(self, jaxpr) -> None:
+    """Symbolic mode's counterpart of :meth:`pair`: the parameters that hold sizes
+    following the rows (expressions in the symbol) count as changed."""
+    for eqn in jaxpr.eqns:
+      changed = []
+      for key, value in eqn.params.items():
+        subs = _subjaxprs(value)
+        for sub in subs:
+          self.mark_symbolic(sub)
+        if not subs and _holds_symbol(value):
+          changed.append(key)
+      if changed:
+        self.changed[id(eqn)] = tuple(changed)
+
+  def degree(self, size: Any) -> Exp:
+    """``e`` with ``size == c * rows ** e`` (symbolic mode), else None."""
+    if _is_constant(size):
+      return 0.0
+    exp = 0
+    while not _is_constant(size):
+      if size % self.symbol != 0:
+        return None
+      size, exp = size // self.symbol, exp + 1
+    return float(exp) if size != 0 else None
+
+  def scaled_dims(self, eqn, position: int, out: bool = False) -> set[int]:
+    """Dims of input (or output) ``position`` whose size follows the rows: symbolic
+    ones, or (paired) ones that differ in the partner trace."""
+    if self.symbol is not None:
+      var = (eqn.outvars if out else eqn.invars)[position]
+      return {d for d, s in enumerate(_shape(var)) if not _is_constant(s)}
+    theirs = self.partner_shape(eqn, position, out)
+    if theirs is None:
+      return set()
+    mine = _shape((eqn.outvars if out else eqn.invars)[position])
+    return {d for d, (x, y) in enumerate(zip(mine, theirs, strict=False)) if x != y}
+
+  def size_exp(self, eqn, position: int, dims: set[int]) -> Exp:
+    """How the number of elements along ``dims`` of input ``position`` scales."""
+    if self.symbol is not None:
+      return self.degree(math.prod(_shape(eqn.invars[position])[d] for d in dims))
+    theirs = self.partner_shape(eqn, position)
+    if not dims or theirs is None:
+      return 0.0
+    mine = _shape(eqn.invars[position])
+    return self.ratio_exp(math.prod(mine[d] for d in dims), math.prod(theirs[d] for d in dims))
+
+  def ratio_exp(self, mine: float, theirs: float) -> Exp:
+    """``e`` with ``mine == theirs * D ** e`` for an integer ``e``, else None."""
+    if mine == theirs or (math.isnan(mine) and math.isnan(theirs)):
+      return 0.0
+    if (self.base is None or mine == 0 or theirs == 0 or (mine > 0) != (theirs > 0)
+        or not math.isfinite(mine / theirs)):
+      return None
+    exp = math.log(mine / theirs) / math.log(self.base)
+    return float(round(exp)) if math.isclose(exp, round(exp), abs_tol=1e-9) else None
+
+  def const_kind(self, value, partner) -> Const:
+    """The kind of a constant of the jaxpr (``partner``: the same in the partner trace)."""
+    mine = _array(value)
+    scalar = _uniform_value(mine) if mine is not None else None
+    same = Const(_all_dims(mine) if scalar is not None else frozenset(), scalar)
+    if partner is None or value is partner:  # no partner trace, or a closed-over value
+      return same
+    theirs = _array(partner)
+    if mine is None or theirs is None:
       return Const(exp=None)
-    a, b = np.asarray(value), np.asarray(twice)
-    if a.shape == b.shape and np.array_equal(a, b):
-      return Const()
-    return Const(exp=_ratio_exp(a, b))
+    if mine.shape == theirs.shape and np.array_equal(mine, theirs, equal_nan=True):
+      return same
+    other = _uniform_value(theirs)
+    if scalar is None or other is None or mine.ndim != theirs.ndim:
+      return Const(exp=None)
+    return Const(_all_dims(mine), scalar, self.ratio_exp(scalar, other))
+
+  def literal(self, var, partner) -> Const:
+    value = np.asarray(var.val)
+    scalar = _uniform_value(value)
+    exp: Exp = 0.0
+    if partner is not None and self.base is not None:
+      other = _uniform_value(np.asarray(partner.val)) if isinstance(
+          partner, jcore.Literal) else None
+      exp = None if scalar is None or other is None else self.ratio_exp(scalar, other)
+    return Const(_all_dims(value) if scalar is not None else frozenset(), scalar, exp)
 
   # -- the walk ------------------------------------------------------------------------
 
@@ -228,7 +421,7 @@ class _Walker:
       if sources and eqn.primitive.name in _TRANSPARENT:
         origin[eqn.outvars[0]] = sources[0]
     partner = self.partners.get(id(jaxpr))
-    return [env[v] if not isinstance(v, jcore.Literal) else _literal(
+    return [env[v] if not isinstance(v, jcore.Literal) else self.literal(
         v, partner.outvars[i] if partner is not None else None)
             for i, v in enumerate(jaxpr.outvars)]
 
@@ -237,7 +430,7 @@ class _Walker:
     if not isinstance(var, jcore.Literal):
       return env[var]
     partner = self.partners.get(id(eqn))
-    return _literal(var, partner.invars[position] if partner is not None else None)
+    return self.literal(var, partner.invars[position] if partner is not None else None)
 
   def _eqn(self, eqn, kinds: list[Kind], sources: dict[int, int]) -> list[Kind]:
     name = eqn.primitive.name
@@ -250,17 +443,37 @@ class _Walker:
       return [Stat(tops[0].mixed, None, ratio=True)]  # e.g. a total over a token count
     if tops:  # unknown structure in, unknown structure out
       return [tops[0]] * len(eqn.outvars)
+    unexplained = _unexplained_change(self, eqn)
+    if unexplained:
+      reason = _where(eqn, f"{name}'s parameter {unexplained} depends on the number of rows")
+      if all(isinstance(k, Const) for k in kinds):
+        return [Const(exp=None)] * len(eqn.outvars)
+      return [Top(reason)] * len(eqn.outvars)
     rule = _RULES.get(name)
     if rule is None:
       if name in _ELEMENTWISE:
         rule = _elementwise
       elif all(isinstance(k, Const) for k in kinds):
-        return [Const(exp=_common_exp(kinds))] * len(eqn.outvars)
+        scaled = any(self.scaled_dims(eqn, i) for i in range(len(kinds)))
+        return [Const(exp=None if scaled else _common_exp(kinds))] * len(eqn.outvars)
       else:
         return [Top(_where(eqn, f"{name} is not known to keep examples apart"))] * len(
             eqn.outvars)
     out = rule(self, eqn, kinds)
-    return out if isinstance(out, list) else [out] * len(eqn.outvars)
+    outs = out if isinstance(out, list) else [out] * len(eqn.outvars)
+    return [self._checked(eqn, i, kind) for i, kind in enumerate(outs)]
+
+  def _checked(self, eqn, position: int, kind: Kind) -> Kind:
+    """A batch-dependent result whose other dimensions follow the number of rows: each
+    example's block would differ between the per-device and the global program."""
+    if isinstance(kind, (Const, Top)) or kind.mixed:
+      return kind
+    scaled = self.scaled_dims(eqn, position, out=True) - (
+        {kind.dim} if isinstance(kind, Rows) else set())
+    if not scaled:
+      return kind
+    return dataclasses.replace(kind, mixed=_where(
+        eqn, "a batch-dependent value with a dimension whose size follows the number of rows"))
 
   def _use_params(self, eqn, kinds, sources: dict[int, int]) -> None:
     """Marks params used other than through casts into a matmul against batch rows."""
@@ -283,6 +496,34 @@ class _Walker:
             for c in carry]
 
 
+# Ops JAX leaves out where they would change nothing: sums over, and broadcasts to, a
+# dimension of size 1 (e.g. a gradient's reduction over the batch when it has one row).
+_NOOP_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_and",
+                              "reduce_or", "reduce_prod"})
+_NOOP_RESHAPES = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims"})
+
+
+def _reduced_shape(eqn, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The partner's shape of ``eqn``'s result, from the partner's shape of its operand:
+  reduced over ``eqn``'s axes (the identity there), or the operand itself."""
+  if eqn.primitive.name in _NOOP_REDUCTIONS:
+    return tuple(s for d, s in enumerate(shape) if d not in eqn.params["axes"])
+  return shape
+
+
+def _corresponds(mine: Sequence[Any], theirs: Sequence[Any], env: dict[Any, Any]) -> bool:
+  """Whether two operand lists name corresponding values (literals: any values)."""
+  if len(mine) != len(theirs):
+    return False
+  for a, b in zip(mine, theirs, strict=True):
+    if isinstance(a, jcore.Literal) or isinstance(b, jcore.Literal):
+      if not (isinstance(a, jcore.Literal) and isinstance(b, jcore.Literal)):
+        return False
+    elif env.get(a) is not b:
+      return False
+  return True
+
+
 def _subjaxprs(value: Any) -> list[Any]:
   """The (open) jaxprs held by an equation parameter."""
   if isinstance(value, jcore.ClosedJaxpr):
@@ -294,30 +535,148 @@ def _subjaxprs(value: Any) -> list[Any]:
   return []
 
 
-def _ratio_exp(a: np.ndarray, b: np.ndarray) -> Exp:
-  """``log2(b / a)`` when the scalar ``b`` is ``a`` times a power of two, else None."""
-  if a.shape != b.shape or a.size != 1 or a.dtype.kind not in "biuf":
-    return None
-  x, y = float(a.reshape(())), float(b.reshape(()))
-  if x == y or (math.isnan(x) and math.isnan(y)):
-    return 0.0
-  if x == 0 or y == 0 or (x > 0) != (y > 0) or not math.isfinite(x / y):
-    return None
-  exp = math.log2(y / x)
-  return float(round(exp)) if math.isclose(exp, round(exp), abs_tol=1e-9) else None
+def _is_constant(size: Any) -> bool:
+  """Whether a size is a number, not an expression in a symbolic dimension."""
+  return not jax.export.is_symbolic_dim(size)
 
 
-def _literal(var, partner) -> Const:
-  value = np.asarray(var.val)
-  scalar = float(value) if value.size == 1 and value.dtype.kind in "biuf" else None
-  exp: float | None
-  if partner is None:
-    exp = 0.0
-  else:  # the same operand in the trace at twice the rows: a number there too?
-    exp = _ratio_exp(value, np.asarray(partner.val)) if isinstance(
-        partner, jcore.Literal) else None
-  return Const(frozenset(range(value.ndim)) if scalar is not None else frozenset(), scalar,
-               exp)
+def _holds_symbol(value: Any) -> bool:
+  if isinstance(value, (tuple, list)):
+    return any(_holds_symbol(v) for v in value)
+  return jax.export.is_symbolic_dim(value)
+
+
+def _closed(value: Any) -> list[Any]:
+  """The closed jaxprs held by an equation parameter (their constants are paired too)."""
+  if isinstance(value, jcore.ClosedJaxpr):
+    return [value]
+  if isinstance(value, (tuple, list)):
+    return [j for v in value for j in _closed(v)]
+  return []
+
+
+def _same_param(a: Any, b: Any) -> bool:
+  """Whether two values of an equation parameter (not a jaxpr) say the same thing.
+
+  Code (derivative rules, remat policies: a new function object per trace) and shardings
+  (the two traces type the data axes differently) do not change values."""
+  if a is b:
+    return True
+  for v in (a, b):
+    if callable(v) or hasattr(v, "call_wrapped") or _holds_sharding(v):
+      return True
+  try:
+    same = a == b
+    return bool(same) if not isinstance(same, np.ndarray) else bool(np.all(same))
+  except Exception:  # noqa: BLE001 - incomparable values: count them as different
+    return False
+
+
+def _holds_sharding(value: Any) -> bool:
+  if isinstance(value, (Sharding, PartitionSpec, Mesh, jax.sharding.AbstractMesh)):
+    return True
+  return isinstance(value, (tuple, list)) and any(_holds_sharding(v) for v in value)
+
+
+# Parameters that are shapes: they may follow the batch's rows. What reads along such a
+# dimension is checked by the rules (reductions, contractions, slices, scans).
+_SHAPE_PARAMS = {
+    "broadcast_in_dim": {"shape", "sharding"},
+    "reshape": {"new_sizes", "sharding"},
+    "iota": {"shape", "sharding"},
+    "random_bits": {"shape"},
+    "random_split": {"shape"},
+    "rng_bit_generator": {"shape"},
+    "scan": {"length"},  # the scan rule checks it runs over the examples
+    "dim_as_value": {"dim"},
+}
+
+
+def _unexplained_change(w: _Walker, eqn) -> str | None:
+  """The first parameter of ``eqn`` that differs in the partner trace for a reason the
+  rules do not account for, or None."""
+  changed = w.changed.get(id(eqn), ())
+  if not changed:
+    return None
+  name = eqn.primitive.name
+  allowed = set(_SHAPE_PARAMS.get(name, ()))
+  if name in _SLICE_PARAMS and _slices_follow_rows(w, eqn):
+    allowed |= _SLICE_PARAMS[name]
+  if name in _NOOP_REDUCTIONS and _axes_follow_rows(w, eqn):
+    allowed.add("axes")
+  return next((key for key in changed if key not in allowed), None)
+
+
+_SLICE_PARAMS = {"slice": {"start_indices", "limit_indices", "strides"},
+                 "dynamic_slice": {"slice_sizes"}, "gather": {"slice_sizes"}}
+
+
+def _slices_follow_rows(w: _Walker, eqn) -> bool:
+  """Whether a slice differs from its partner (symbolic mode: depends on the symbol)
+  only along dimensions whose size follows the rows, and takes those whole."""
+  scaled = w.scaled_dims(eqn, 0)
+  partner = w.partners.get(id(eqn))
+  for d in range(len(_shape(eqn.invars[0]))):
+    differs = (_holds_symbol(_slice_at(eqn, d)) if partner is None
+               else _slice_at(eqn, d) != _slice_at(partner, d))
+    if differs and not (d in scaled and _whole(eqn, d) and (
+        partner is None or _whole(partner, d))):
+      return False
+  return True
+
+
+def _axes_follow_rows(w: _Walker, eqn) -> bool:
+  """Whether a reduction's axes differ from its partner's only by dimensions that have
+  size 1 in the partner (reducing over those changes no value)."""
+  partner = w.partners[id(eqn)]
+  theirs = _shape(partner.invars[0])
+  differ = set(eqn.params["axes"]) ^ set(partner.params["axes"])
+  return all(theirs[d] == 1 and d in w.scaled_dims(eqn, 0) for d in differ)
+
+
+def _slice_at(eqn, d: int) -> Any:
+  p = eqn.params
+  if eqn.primitive.name == "slice":
+    strides = p.get("strides") or (1,) * len(p["start_indices"])
+    return p["start_indices"][d], p["limit_indices"][d], strides[d]
+  return p["slice_sizes"][d]
+
+
+def _whole(eqn, d: int) -> bool:
+  size = _shape(eqn.invars[0])[d]
+  if eqn.primitive.name == "slice":
+    return _slice_at(eqn, d) == (0, size, 1)
+  return eqn.params["slice_sizes"][d] == size
+
+
+def _array(value: Any) -> np.ndarray | None:
+  try:
+    if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
+      value = jax.random.key_data(value)
+    out = np.asarray(value)
+  except Exception:  # noqa: BLE001 - e.g. PRNG key data: no numbers to compare
+    return None
+  return out if out.dtype.kind in "biufc" else None
+
+
+def _uniform_value(value: np.ndarray) -> float | None:
+  """The one value of every element of a real numeric array, else None."""
+  if value.dtype.kind not in "biuf" or value.size == 0:
+    return None
+  first = value.reshape(-1)[0]
+  if not np.all((value == first) | (np.isnan(value) & np.isnan(first))):
+    return None
+  return float(first)
+
+
+def _all_dims(value: Any) -> frozenset[int]:
+  return frozenset(range(np.ndim(value)))
+
+
+def _uniform_dims(value: Any) -> frozenset[int]:
+  array = _array(value)
+  return _all_dims(array) if array is not None and _uniform_value(array) is not None \
+      else frozenset()
 
 
 # ---------------------------------------------------------------------------------------
@@ -325,12 +684,17 @@ def _literal(var, partner) -> Const:
 
 
 def _where(eqn, what: str) -> str:
+  place = _place(eqn)
+  return f"{what}{place}" if place else what
+
+
+def _place(eqn) -> str:
   try:  # source line of the user's code, for diagnostics
     from jax._src import source_info_util
     place = source_info_util.summarize(eqn.source_info)
   except Exception:  # noqa: BLE001 - a private helper; the reason stands without it
     place = ""
-  return f"{what} at {place}" if place else what
+  return f" at {place}" if place else ""
 
 
 def _shape(var) -> tuple[int, ...]:
@@ -353,9 +717,10 @@ def _const_uniform(kinds, eqn) -> frozenset[int]:
 
 
 def _common_exp(kinds) -> Exp:
-  """The exponent of a result that scales like each of its operands (all must agree)."""
-  exps = {k.exp for k in kinds}
-  return exps.pop() if len(exps) == 1 else None
+  """The exponent of a result that scales like each of its operands (all must agree; a
+  zero scales like anything)."""
+  exps = {k.exp for k in kinds if not (isinstance(k, Const) and k.value == 0)}
+  return 0.0 if not exps else exps.pop() if len(exps) == 1 else None
 
 
 def _add_exps(kinds) -> Exp:
@@ -363,22 +728,50 @@ def _add_exps(kinds) -> Exp:
   return None if None in exps else float(sum(exps))
 
 
+def _first_mixed(kinds) -> str | None:
+  return next((k.mixed for k in kinds if isinstance(k, (Rows, Stat)) and k.mixed), None)
+
+
+def _misaligned(eqn, rows: Sequence[Rows]) -> str | None:
+  """Why batch values in different example orders (e.g. one reversed) may not be combined
+  position by position, or None when they share one order."""
+  if len({r.order for r in rows}) <= 1:
+    return None
+  return _where(eqn, f"{eqn.primitive.name} pairs examples taken in different orders "
+                "(e.g. the batch and the batch reversed)")
+
+
+def _index_changes(kinds) -> bool:
+  """Whether a batch-independent index or position operand follows the number of rows
+  (e.g. ``n - 1``): per device it would pick other elements than globally."""
+  return any(isinstance(k, Const) and k.exp != 0 for k in kinds)
+
+
 _FOLD: dict[str, Callable[..., Any]] = {
     "neg": lambda a: -a, "convert_element_type": lambda a: a, "copy": lambda a: a,
     "reduce_precision": lambda a: a, "add": lambda a, b: a + b, "sub": lambda a, b: a - b,
     "mul": lambda a, b: a * b, "div": lambda a, b: a / b if b else None,
+    "add_any": lambda a, b: a + b,
 }
-# How an elementwise op's result scales with n, from its operands' exponents.
+# How an elementwise op's result scales with D, from its operands' exponents.
 _SAME = frozenset({"neg", "convert_element_type", "copy", "copy_p", "reduce_precision",
-                   "stop_gradient", "real", "imag", "conj", "abs", "add", "sub", "max", "min",
-                   "select_n", "clamp", "complex"})
+                   "stop_gradient", "real", "imag", "conj", "abs", "add", "add_any", "sub",
+                   "max", "min", "select_n", "clamp", "complex"})
 _SCALE_FREE = frozenset({"sign", "eq", "ne", "lt", "le", "gt", "ge", "is_finite"})
+# Integer ops for which a common factor of the operands does not factor out of the result.
+_INEXACT_INT = frozenset({"div", "rem", "and", "or", "xor", "not", "shift_left",
+                          "shift_right_logical", "shift_right_arithmetic", "population_count",
+                          "clz", "pow"})
 
 
 def _exp_of(eqn, kinds) -> Exp:
-  """The exponent of an elementwise op's result; None if it is no power of n."""
+  """The exponent of an elementwise op's result; None if it is no power of D."""
   name = eqn.primitive.name
-  operands = kinds[1:] if name == "select_n" else kinds
+  if name == "select_n":  # which operand is picked must not follow the rows
+    return _common_exp(kinds[1:]) if kinds[0].exp == 0 else None
+  dtype = getattr(eqn.outvars[0].aval, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, np.integer) and name in _INEXACT_INT:
+    return 0.0 if all(k.exp == 0 for k in kinds) else None  # e.g. floor division
   if name == "mul":
     return _add_exps(kinds)
   if name == "div":
@@ -387,9 +780,9 @@ def _exp_of(eqn, kinds) -> Exp:
   if name == "integer_pow":
     return None if kinds[0].exp is None else kinds[0].exp * eqn.params["y"]
   if name in _SAME:
-    return _common_exp(operands)
-  if name in _SCALE_FREE:  # positive factors of n do not change the outcome
-    return 0.0 if _common_exp(operands) is not None else None
+    return _common_exp(kinds)
+  if name in _SCALE_FREE:  # positive factors of D do not change the outcome
+    return 0.0 if _common_exp(kinds) is not None else None
   return 0.0 if all(k.exp == 0 for k in kinds) else None
 
 
@@ -403,7 +796,7 @@ def _elementwise(w: _Walker, eqn, kinds: list[Kind]) -> list[Kind]:
     if len(dims) > 1:
       return [Top(_where(eqn, "combines values batched along different axes"))]
     (dim,) = dims
-    mixed = next((r.mixed for r in rows if r.mixed), None)
+    mixed = _first_mixed(rows) or _misaligned(eqn, rows)
     if not mixed and stats:
       mixed = _where(eqn, f"{eqn.primitive.name} combines each example with a statistic of "
                      "the whole batch")
@@ -416,7 +809,7 @@ def _elementwise(w: _Walker, eqn, kinds: list[Kind]) -> list[Kind]:
     if not mixed and exp is None:
       mixed = _where(eqn, f"{eqn.primitive.name} of values that scale differently with the "
                      "micro-batch size")
-    return [Rows(dim, mixed, exp)] * len(eqn.outvars)
+    return [Rows(dim, mixed, exp, rows[0].order)] * len(eqn.outvars)
   if stats:
     return [_linear(eqn, kinds, exp)] * len(eqn.outvars)
   fold = _FOLD.get(eqn.primitive.name)
@@ -435,7 +828,7 @@ def _linear(eqn, kinds: list[Kind], exp: Exp) -> Stat:
   """
   name = eqn.primitive.name
   stats = [k for k in kinds if isinstance(k, Stat)]
-  inherited = next((s.mixed for s in stats if s.mixed), None)
+  inherited = _first_mixed(stats)
 
   def nonlinear(what):
     return Stat(inherited or _where(eqn, what), exp)
@@ -443,7 +836,7 @@ def _linear(eqn, kinds: list[Kind], exp: Exp) -> Stat:
   if name in ("neg", "convert_element_type", "copy", "reduce_precision", "stop_gradient",
               "real", "imag", "conj"):
     return stats[0]
-  if name in ("add", "sub"):
+  if name in ("add", "add_any", "sub"):
     if len(stats) == 2:
       if stats[0].exp != stats[1].exp:
         return nonlinear("adds batch statistics that scale differently with the micro-batch "
@@ -476,40 +869,54 @@ def _map_uniform(uniform: frozenset[int], mapping: dict[int, int]) -> frozenset[
   return frozenset(mapping[d] for d in uniform if d in mapping)
 
 
+_SIZE_FREE_REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_and", "reduce_or"})
+
+
 def _reduction(linear: bool):
   def rule(w: _Walker, eqn, kinds):
-    (kind,) = kinds[:1]
-    axes = tuple(eqn.params.get("axes", ()))
-    shape = _shape(eqn.invars[0])
+    kind = kinds[0]
+    name = eqn.primitive.name
+    axes = set(eqn.params.get("axes", ()))
+    scaled = w.scaled_dims(eqn, 0) & axes
     if isinstance(kind, Const):
-      keep = [d for d in range(len(shape)) if d not in axes]
-      # Summing over a dimension whose size follows n changes how the result scales.
-      exp = kind.exp if not w.scaled_dims(eqn, 0) & set(axes) else None
-      return Const(_map_uniform(kind.uniform, {d: i for i, d in enumerate(keep)}), exp=exp)
+      keep = [d for d in range(len(_shape(eqn.invars[0]))) if d not in axes]
+      uniform = _map_uniform(kind.uniform, {d: i for i, d in enumerate(keep)})
+      exp: Exp = kind.exp
+      if scaled and not scaled <= kind.uniform:
+        exp = None  # e.g. the sum of an iota over the rows
+      elif scaled and name == "reduce_sum":  # a sum of equal elements: their number times one
+        exp = _add_exps([kind, Const(exp=w.size_exp(eqn, 0, scaled))])
+      elif scaled and name in ("argmax", "argmin"):
+        exp = 0.0
+      elif scaled and name not in _SIZE_FREE_REDUCTIONS:
+        exp = None
+      return Const(uniform, exp=exp)
+    extra = scaled - ({kind.dim} if isinstance(kind, Rows) else set())
+    mixed = kind.mixed or (_where(eqn, "a reduction over a dimension whose size follows the "
+                                  "number of rows") if extra else None)
     if isinstance(kind, Rows):
       if kind.dim not in axes:
-        return Rows(_shift(kind.dim, axes), kind.mixed, kind.exp)
+        return Rows(_shift(kind.dim, tuple(axes)), mixed, kind.exp, kind.order)
       if linear:
-        return Stat(kind.mixed, kind.exp)
-      return Stat(kind.mixed or _where(
-          eqn, f"{eqn.primitive.name} over the batch axis (not a sum over examples)"), kind.exp)
+        return Stat(mixed, kind.exp)
+      return Stat(mixed or _where(
+          eqn, f"{name} over the batch axis (not a sum over examples)"), kind.exp)
     if linear:
-      return kind
-    return Stat(kind.mixed or _where(eqn, f"{eqn.primitive.name} of a batch statistic"),
-                kind.exp)
+      return Stat(mixed, kind.exp)
+    return Stat(mixed or _where(eqn, f"{name} of a batch statistic"), kind.exp)
   return rule
 
 
 def _cumulative(w: _Walker, eqn, kinds):
   (kind,) = kinds
   axis = eqn.params["axis"]
+  scaled = axis in w.scaled_dims(eqn, 0)
   if isinstance(kind, Const):
-    return Const(kind.uniform - {axis}, exp=kind.exp if axis not in w.scaled_dims(eqn, 0)
-                 else None)
+    return Const(kind.uniform - {axis}, exp=None if scaled else kind.exp)
   if isinstance(kind, Rows):
-    if kind.dim == axis:
-      return Rows(kind.dim, kind.mixed or _where(eqn, "a cumulative op along the batch axis"),
-                  kind.exp)
+    if kind.dim == axis or scaled:
+      return dataclasses.replace(kind, mixed=kind.mixed or _where(
+          eqn, "a cumulative op along the batch axis"))
     return kind
   if eqn.primitive.name == "cumsum":
     return kind
@@ -521,7 +928,7 @@ def _broadcast_in_dim(w: _Walker, eqn, kinds):
   dims = eqn.params["broadcast_dimensions"]
   out_shape, in_shape = _shape(eqn.outvars[0]), _shape(eqn.invars[0])
   if isinstance(kind, Rows):
-    return Rows(dims[kind.dim], kind.mixed, kind.exp)
+    return dataclasses.replace(kind, dim=dims[kind.dim])
   if isinstance(kind, Stat):
     return kind
   uniform = {d for d in range(len(out_shape)) if d not in dims}
@@ -541,9 +948,13 @@ def _reshape(w: _Walker, eqn, kinds):
   if eqn.params.get("dimensions") is not None:
     return Top(_where(eqn, "a reshape that transposes the batch axis"))
   dim = _reshaped_dim(_shape(eqn.invars[0]), _shape(eqn.outvars[0]), kind.dim, w.rows)
+  theirs = (w.partner_shape(eqn, 0), w.partner_shape(eqn, 0, out=True))
+  if dim is not None and theirs[0] is not None and theirs[1] is not None and w.base:
+    if _reshaped_dim(*theirs, kind.dim, round(w.rows / w.base)) != dim:
+      dim = None
   if dim is None:
     return Top(_where(eqn, "a reshape that splits the batch axis across examples"))
-  return Rows(dim, kind.mixed, kind.exp)
+  return dataclasses.replace(kind, dim=dim)
 
 
 def _reshaped_dim(shape, new_shape, dim: int, rows: int) -> int | None:
@@ -552,11 +963,9 @@ def _reshaped_dim(shape, new_shape, dim: int, rows: int) -> int | None:
   outer = math.prod(shape[:dim])
   prefix = 1
   for new_dim, size in enumerate(new_shape):
-    if prefix == outer and size % rows == 0 and size >= rows:
+    if prefix == outer and size != 0 and size % rows == 0:
       return new_dim
     prefix *= size
-    if prefix > outer:
-      return None
   return None
 
 
@@ -564,7 +973,7 @@ def _transpose(w: _Walker, eqn, kinds):
   kind = kinds[0]
   perm = tuple(eqn.params["permutation"])
   if isinstance(kind, Rows):
-    return Rows(perm.index(kind.dim), kind.mixed, kind.exp)
+    return dataclasses.replace(kind, dim=perm.index(kind.dim))
   if isinstance(kind, Const):
     return Const(_map_uniform(kind.uniform, {d: perm.index(d) for d in perm}), kind.value,
                  kind.exp)
@@ -577,7 +986,7 @@ def _squeeze(w: _Walker, eqn, kinds):
   if isinstance(kind, Rows):
     if kind.dim in removed:  # cannot happen for two or more examples
       return Top(_where(eqn, "a squeeze of the batch axis"))
-    return Rows(_shift(kind.dim, removed), kind.mixed, kind.exp)
+    return dataclasses.replace(kind, dim=_shift(kind.dim, removed))
   if isinstance(kind, Const):
     keep = [d for d in range(len(_shape(eqn.invars[0]))) if d not in removed]
     return Const(_map_uniform(kind.uniform, {d: i for i, d in enumerate(keep)}), kind.value,
@@ -585,74 +994,103 @@ def _squeeze(w: _Walker, eqn, kinds):
   return kind
 
 
-def _along_batch(what: str, untouched: Callable[[Any, int], bool]):
-  """Ops on one operand that keep examples apart unless they act along the batch axis."""
+def _along_batch(what: str, acted: Callable[[Any], set[int]]):
+  """Ops on one operand (plus positions) that keep examples apart unless they act along
+  the batch axis. ``acted(eqn)``: the dimensions the op moves or selects elements along."""
   linear_ops = ("slice", "dynamic_slice", "pad", "rev", "split")
 
   def rule(w: _Walker, eqn, kinds):
     kind, rest = kinds[0], kinds[1:]
     outs = len(eqn.outvars)
+    name = eqn.primitive.name
+    dims = acted(eqn)
+    scaled = w.scaled_dims(eqn, 0) & dims
+    positions = rest if name != "pad" else []
     if isinstance(kind, Rows):
-      ok = untouched(eqn, kind.dim) and all(isinstance(k, Const) for k in rest)
-      if eqn.primitive.name == "pad":  # the padding is part of every example
+      ok = all(isinstance(k, Const) for k in rest) and not _index_changes(positions)
+      if name == "pad":  # the padding is part of every example
         ok = ok and (rest[0].value == 0 or rest[0].exp == kind.exp)
+      order = kind.order
+      if kind.dim in dims:
+        if name == "rev" and ok:  # the same examples, in another order
+          order, dims = (id(eqn), kind.order), dims - {kind.dim}
+        else:
+          ok = False
+      if scaled - {kind.dim}:
+        ok = False
       mixed = kind.mixed or (None if ok else _where(eqn, f"{what} along the batch axis"))
-      return [Rows(kind.dim, mixed, kind.exp)] * outs
+      return [Rows(kind.dim, mixed, kind.exp, order)] * outs
     if isinstance(kind, Stat):
-      ok = eqn.primitive.name in linear_ops and all(isinstance(k, Const) for k in rest)
+      ok = (name in linear_ops and all(isinstance(k, Const) for k in rest)
+            and not _index_changes(positions) and not scaled)
       return [Stat(kind.mixed or (None if ok else _where(eqn, f"{what} of a statistic")),
                    kind.exp)] * outs
     if all(isinstance(k, Const) for k in kinds):
-      return [Const(exp=kind.exp)] * outs
+      exp = None if _index_changes(positions) or not scaled <= kind.uniform else kind.exp
+      uniform, value = kind.uniform, kind.value
+      if name == "pad":
+        exp = _common_exp(kinds) if exp is not None else None
+        if value is None or rest[0].value != value:
+          uniform, value = uniform - dims, None
+      elif name == "top_k":
+        uniform = uniform - dims
+      return [Const(uniform, value, exp)] * outs
     return [Top(_where(eqn, f"{what} indexed by batch values"))] * outs
   return rule
 
 
-def _full_slice(eqn, dim):
+def _sliced_dims(eqn) -> set[int]:
   shape = _shape(eqn.invars[0])
-  start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
-  strides = eqn.params.get("strides") or (1,) * len(shape)
-  return start[dim] == 0 and limit[dim] == shape[dim] and strides[dim] == 1
+  return {d for d in range(len(shape)) if not _whole(eqn, d)}
+
+
+def _padded_dims(eqn) -> set[int]:
+  return {d for d, cfg in enumerate(eqn.params["padding_config"]) if tuple(cfg) != (0, 0, 0)}
 
 
 def _concatenate(w: _Walker, eqn, kinds):
   axis = eqn.params["dimension"]
   out_shape = _shape(eqn.outvars[0])
   exp = _common_exp(kinds)
+  scaled = axis in w.scaled_dims(eqn, 0, out=True)
   rows = [k for k in kinds if isinstance(k, Rows)]
   if rows:
     dim = rows[0].dim
-    ok = axis != dim and exp is not None and all(
+    ok = axis != dim and not scaled and exp is not None and all(
         (isinstance(k, Rows) and k.dim == dim) or
         (isinstance(k, Const) and _uniform_at(k, v, out_shape, dim))
         for k, v in zip(kinds, eqn.invars, strict=True))
-    mixed = next((r.mixed for r in rows if r.mixed), None)
+    mixed = _first_mixed(rows) or _misaligned(eqn, rows)
     return Rows(dim, mixed or (None if ok else _where(eqn, "a concatenation along or across "
-                                                       "the batch axis")), exp)
+                                                       "the batch axis")), exp, rows[0].order)
   stats = [k for k in kinds if isinstance(k, Stat)]
   if stats:
-    ok = all(isinstance(k, Stat) for k in kinds) and exp is not None
-    mixed = next((s.mixed for s in stats if s.mixed), None)
-    return Stat(mixed or (None if ok else _where(eqn, "a concatenation of statistics and "
-                                                 "constants")), exp)
-  return Const(exp=exp)
+    ok = all(isinstance(k, Stat) for k in kinds) and exp is not None and not scaled
+    return Stat(_first_mixed(stats) or (None if ok else _where(
+        eqn, "a concatenation of statistics and constants")), exp)
+  return Const(exp=None if scaled else exp)
 
 
 def _dynamic_update_slice(w: _Walker, eqn, kinds):
   operand, update = kinds[:2]
+  if _index_changes(kinds[2:]):
+    return Top(_where(eqn, "an update at a position that follows the number of rows")) if (
+        any(not isinstance(k, Const) for k in kinds)) else Const(exp=None)
   if all(isinstance(k, Const) for k in kinds):
-    return Const(exp=_common_exp(kinds[:2]))
+    scaled = w.scaled_dims(eqn, 0)
+    return Const(exp=None if scaled else _common_exp(kinds[:2]))
   rows = [k for k in (operand, update) if isinstance(k, Rows)]
   if rows and all(isinstance(k, Const) for k in kinds[2:]):
     dim = rows[0].dim
     full = _shape(eqn.invars[1])[dim] == _shape(eqn.invars[0])[dim]
     exp = _common_exp(kinds[:2])
-    ok = full and exp is not None and all(
+    ok = full and exp is not None and not (w.scaled_dims(eqn, 0) - {dim}) and all(
         (isinstance(k, Rows) and k.dim == dim) or
         (isinstance(k, Const) and _uniform_at(k, v, _shape(eqn.outvars[0]), dim))
         for k, v in zip((operand, update), eqn.invars[:2], strict=True))
-    mixed = next((r.mixed for r in rows if r.mixed), None)
-    return Rows(dim, mixed or (None if ok else _where(eqn, "an update of some examples")), exp)
+    mixed = _first_mixed(rows) or _misaligned(eqn, rows)
+    return Rows(dim, mixed or (None if ok else _where(eqn, "an update of some examples")), exp,
+                rows[0].order)
   return Top(_where(eqn, "dynamic_update_slice of batch values"))
 
 
@@ -668,12 +1106,15 @@ def _dot_general(w: _Walker, eqn, kinds):
   lhs_free = [d for d in range(lhs_ndim) if d not in lc and d not in lb]
   rhs_free = [d for d in range(rhs_ndim) if d not in rc and d not in rb]
   exp = _add_exps(kinds)
+  scaled_contract = [w.scaled_dims(eqn, 0) & set(lc), w.scaled_dims(eqn, 1) & set(rc)]
   if isinstance(lhs, Const) and isinstance(rhs, Const):
-    scaled = w.scaled_dims(eqn, 0) & set(lc)
-    return Const(exp=exp if not scaled else None)
+    uniform = [d in lhs.uniform and rd in rhs.uniform for d, rd in zip(lb, rb, strict=True)]
+    uniform += [d in lhs.uniform for d in lhs_free] + [d in rhs.uniform for d in rhs_free]
+    return Const(frozenset(i for i, u in enumerate(uniform) if u),
+                 exp=exp if not scaled_contract[0] else None)
   stats = [k for k in kinds if isinstance(k, Stat)]
   if stats:
-    mixed = next((s.mixed for s in stats if s.mixed), None)
+    mixed = _first_mixed(stats)
     if len(stats) == 2 or any(isinstance(k, Rows) for k in kinds) or exp is None:
       mixed = mixed or _where(eqn, "a matmul of a batch statistic with batch values")
     return Stat(mixed, exp)
@@ -686,15 +1127,18 @@ def _dot_general(w: _Walker, eqn, kinds):
     return offset + free.index(dim)
 
   contract, batch = (lc, rc), (lb, rb)
-  mixed = next((k.mixed for k in kinds if isinstance(k, Rows) and k.mixed), None)
+  rows = [k for k in kinds if isinstance(k, Rows)]
+  mixed = _first_mixed(rows) or _misaligned(eqn, rows)
   if exp is None:
     mixed = mixed or _where(eqn, "a matmul of values that scale differently with the "
                             "micro-batch size")
   if isinstance(lhs, Rows) and isinstance(rhs, Rows):
     pair_batch = lhs.dim in lb and rb[list(lb).index(lhs.dim)] == rhs.dim
     pair_contract = lhs.dim in lc and rc[list(lc).index(lhs.dim)] == rhs.dim
+    if (scaled_contract[0] - {lhs.dim}) or (scaled_contract[1] - {rhs.dim}):
+      mixed = mixed or _where(eqn, "a matmul over a dimension whose size follows the rows")
     if pair_batch:
-      return Rows(out_dim(0, lhs.dim), mixed, exp)
+      return Rows(out_dim(0, lhs.dim), mixed, exp, lhs.order)
     if pair_contract:
       return Stat(mixed, exp)
     # e.g. x @ x.T over the batch: every pair of examples (in-batch negatives).
@@ -705,6 +1149,7 @@ def _dot_general(w: _Walker, eqn, kinds):
   row, const = (lhs, rhs) if side == 0 else (rhs, lhs)
   const_var = eqn.invars[1 - side]
   mine, theirs = contract[side], contract[1 - side]
+  partner = None
   if row.dim in mine or row.dim in batch[side]:
     partner = (theirs[list(mine).index(row.dim)] if row.dim in mine
                else batch[1 - side][list(batch[side]).index(row.dim)])
@@ -712,10 +1157,11 @@ def _dot_general(w: _Walker, eqn, kinds):
                or _shape(const_var)[partner] == 1)
     if not uniform:
       mixed = mixed or _where(eqn, "a matmul of examples with position-dependent values")
-    if row.dim in mine:
-      return Stat(mixed, exp)
-    return Rows(out_dim(side, row.dim), mixed, exp)
-  return Rows(out_dim(side, row.dim), mixed, exp)
+  if (scaled_contract[side] - {row.dim}) or (scaled_contract[1 - side] - {partner}):
+    mixed = mixed or _where(eqn, "a matmul over a dimension whose size follows the rows")
+  if row.dim in mine:
+    return Stat(mixed, exp)
+  return Rows(out_dim(side, row.dim), mixed, exp, row.order)
 
 
 def _gather(w: _Walker, eqn, kinds):
@@ -725,57 +1171,154 @@ def _gather(w: _Walker, eqn, kinds):
   op_shape, idx_shape = _shape(eqn.invars[0]), _shape(eqn.invars[1])
   out_ndim = len(_shape(eqn.outvars[0]))
   batch_out = [d for d in range(out_ndim) if d not in dn.offset_dims]
+  selected = {d for d in range(len(op_shape)) if slice_sizes[d] != op_shape[d]} | set(
+      dn.start_index_map)
+  scaled_selected = w.scaled_dims(eqn, 0) & selected
   if isinstance(operand, Const) and isinstance(indices, Const):
-    return Const(exp=operand.exp)
+    changes = _index_changes([indices]) or not scaled_selected <= operand.uniform
+    return Const(exp=None if changes else operand.exp)
   if isinstance(operand, Stat) or isinstance(indices, Stat):
     return Top(_where(eqn, "a gather that involves a batch statistic"))
-  mixed = next((k.mixed for k in kinds if isinstance(k, Rows) and k.mixed), None)
+  rows = [k for k in kinds if isinstance(k, Rows)]
+  mixed = _first_mixed(rows) or _misaligned(eqn, rows)
   idx_dims = list(range(len(idx_shape) - 1))  # the last is the index vector
   if isinstance(indices, Rows):
     if indices.dim == len(idx_shape) - 1:
       return Top(_where(eqn, "a gather whose index vectors run along the batch axis"))
     dim = batch_out[idx_dims.index(indices.dim)]
-    if isinstance(operand, Const):
-      return Rows(dim, mixed, operand.exp)  # a lookup (embedding) per example
+    if isinstance(operand, Const):  # a lookup (embedding) per example
+      if scaled_selected - operand.uniform:
+        mixed = mixed or _where(eqn, "a lookup in a table whose size follows the rows")
+      return Rows(dim, mixed, operand.exp, indices.order)
     paired = (operand.dim in dn.operand_batching_dims and dn.start_indices_batching_dims[
         list(dn.operand_batching_dims).index(operand.dim)] == indices.dim)
+    if scaled_selected - {operand.dim}:
+      paired = False
     return Rows(dim, mixed or (None if paired else _where(
-        eqn, "a gather of other examples' values")), operand.exp)
+        eqn, "a gather of other examples' values")), operand.exp, indices.order)
   # Rows operand, batch-independent indices: the batch axis must be sliced whole.
   dim = operand.dim
   whole = (dim not in dn.start_index_map and dim not in dn.collapsed_slice_dims
            and dim not in dn.operand_batching_dims and slice_sizes[dim] == op_shape[dim])
-  if not whole:
+  if not whole or _index_changes([indices]) or scaled_selected:
     return Top(_where(eqn, "a gather that selects examples"))
   offset_operand_dims = [d for d in range(len(op_shape))
                          if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
-  return Rows(dn.offset_dims[offset_operand_dims.index(dim)], mixed, operand.exp)
+  return Rows(dn.offset_dims[offset_operand_dims.index(dim)], mixed, operand.exp,
+              operand.order)
+
+
+def _scatter(w: _Walker, eqn, kinds):
+  """``scatter`` (``x.at[...].set``), ``scatter-add`` (the transpose of a gather: an
+  embedding's gradient) and the other scatter combiners."""
+  operand, indices, updates = kinds[:3]
+  name = eqn.primitive.name
+  dn = eqn.params["dimension_numbers"]
+  op_shape, upd_shape = _shape(eqn.invars[0]), _shape(eqn.invars[2])
+  idx_batch = list(range(len(_shape(eqn.invars[1])) - 1))  # the last is the index vector
+  window_op_dims = [d for d in range(len(op_shape))
+                    if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+  window = dict(zip(dn.update_window_dims, window_op_dims, strict=True))  # updates -> operand
+  upd_scatter = [d for d in range(len(upd_shape)) if d not in dn.update_window_dims]
+  scaled = w.scaled_dims(eqn, 0)
+  if all(isinstance(k, Const) for k in kinds):
+    # Along a dimension whose size follows the rows the window must be whole.
+    whole = {d for u, d in window.items() if upd_shape[u] == op_shape[d]}
+    moved = scaled - whole
+    uniform = {d for u, d in window.items()
+               if d in whole and d in operand.uniform and (
+                   u in updates.uniform or updates.value is not None)}
+    return Const(frozenset(uniform), exp=None if moved or _index_changes([indices])
+                 else _common_exp([operand, updates]))
+  if (isinstance(updates, Stat) and isinstance(indices, Const) and not _index_changes([indices])
+      and name in ("scatter", "scatter-add") and not scaled and (
+          (isinstance(operand, Const) and operand.value == 0)
+          or (isinstance(operand, Stat) and name == "scatter-add"))):
+    # A statistic placed into zeros (or added to one): still linear in the examples.
+    stats = [k for k in (operand, updates) if isinstance(k, Stat)]
+    exp = _common_exp([operand, updates])
+    return Stat(_first_mixed(stats) or (None if exp is not None else _where(
+        eqn, f"a {name} of statistics that scale differently")), exp)
+  if any(isinstance(k, (Stat, Top)) for k in kinds) or _index_changes([indices]):
+    return Top(_where(eqn, f"a {name} that involves batch statistics or moving positions"))
+  rows = [k for k in kinds if isinstance(k, Rows)]
+  mixed = _first_mixed(rows) or _misaligned(eqn, rows)
+  exp = (_add_exps([operand, updates]) if name == "scatter-mul"
+         else _common_exp([operand, updates]))
+  order = rows[0].order
+  # 1. Along each example: the batch is a window dimension of the operand taken whole (or
+  #    held by the operand only), and the indices are batch-independent.
+  dim = operand.dim if isinstance(operand, Rows) else (
+      window.get(updates.dim) if isinstance(updates, Rows) else None)
+  if isinstance(indices, Const) and dim is not None and dim in window_op_dims:
+    upd_dim = next(u for u, d in window.items() if d == dim)
+    ok = (upd_shape[upd_dim] == op_shape[dim] and exp is not None and not (scaled - {dim})
+          and all((isinstance(k, Rows) and k.dim == d) or (
+              isinstance(k, Const) and _uniform_at(k, v, _shape(v), d))
+              for k, v, d in ((operand, eqn.invars[0], dim),
+                              (updates, eqn.invars[2], upd_dim))))
+    return Rows(dim, mixed or (None if ok else _where(eqn, f"a {name} that moves examples")),
+                exp, order)
+  # 2. Batched: the operand's batching dimension pairs each example with its indices.
+  if isinstance(indices, Rows) and indices.dim in dn.scatter_indices_batching_dims:
+    dim = dn.operand_batching_dims[list(dn.scatter_indices_batching_dims).index(indices.dim)]
+    upd_dim = upd_scatter[idx_batch.index(indices.dim)] if indices.dim in idx_batch else None
+    ok = exp is not None and upd_dim is not None and not (scaled - {dim}) and all(
+        (isinstance(k, Rows) and k.dim == d) or (
+            isinstance(k, Const) and _uniform_at(k, v, _shape(v), d))
+        for k, v, d in ((operand, eqn.invars[0], dim), (updates, eqn.invars[2], upd_dim)))
+    return Rows(dim, mixed or (None if ok else _where(eqn, f"a {name} across examples")), exp,
+                order)
+  # 3. A sum over examples: each example's update added into a batch-independent zero.
+  if (name == "scatter-add" and isinstance(operand, Const) and operand.value == 0
+      and isinstance(updates, Rows) and updates.dim in upd_scatter):
+    idx_dim = idx_batch[upd_scatter.index(updates.dim)]
+    ok = (not isinstance(indices, Rows) or indices.dim == idx_dim) and not (
+        w.scaled_dims(eqn, 2) - {updates.dim})
+    return Stat(mixed or (None if ok else _where(eqn, "a scatter-add across examples")),
+                updates.exp)
+  return Top(_where(eqn, f"a {name} across examples"))
 
 
 def _conv(w: _Walker, eqn, kinds):
   lhs, rhs = kinds
   dn = eqn.params["dimension_numbers"]
   exp = _add_exps(kinds)
+  single = eqn.params["batch_group_count"] == 1 and eqn.params["feature_group_count"] == 1
+  extra = (w.scaled_dims(eqn, 0) | w.scaled_dims(eqn, 1)) - {
+      k.dim for k in kinds if isinstance(k, Rows)}
   if isinstance(lhs, Const) and isinstance(rhs, Const):
-    return Const(exp=exp)
+    return Const(exp=None if extra else exp)
+  if exp is None or extra or isinstance(lhs, (Stat, Top)) or isinstance(rhs, (Stat, Top)):
+    return Top(_where(eqn, "a convolution across examples"))
   if (isinstance(lhs, Rows) and isinstance(rhs, Const) and lhs.dim == dn.lhs_spec[0]
-      and eqn.params["batch_group_count"] == 1 and exp is not None):
-    return Rows(dn.out_spec[0], lhs.mixed, exp)
+      and eqn.params["batch_group_count"] == 1):
+    return Rows(dn.out_spec[0], lhs.mixed, exp, lhs.order)
+  if (isinstance(lhs, Rows) and isinstance(rhs, Rows) and single
+      and lhs.dim == dn.lhs_spec[1] and rhs.dim == dn.rhs_spec[1]):
+    # A kernel's gradient: the examples are the contracted (feature) dimension.
+    return Stat(_first_mixed(kinds) or _misaligned(eqn, kinds), exp)
   return Top(_where(eqn, "a convolution across examples"))
 
 
 def _window(w: _Walker, eqn, kinds):
   kind = kinds[0]
   outs = len(eqn.outvars)
+  p = eqn.params
+  moving = {d for d in range(len(p["window_dimensions"]))
+            if not (p["window_dimensions"][d] == 1 and p["window_strides"][d] == 1
+                    and tuple(p["padding"][d]) == (0, 0)
+                    and p.get("base_dilation", (1,) * (d + 1))[d] == 1)}
+  scaled = w.scaled_dims(eqn, 0)
   if all(isinstance(k, Const) for k in kinds):
-    return [Const(exp=kind.exp if not w.scaled_dims(eqn, 0) else None)] * outs
+    return [Const(exp=kind.exp if not scaled & moving else None)] * outs
   if isinstance(kind, Rows):
-    d = kind.dim
-    p = eqn.params
-    untouched = (p["window_dimensions"][d] == 1 and p["window_strides"][d] == 1
-                 and tuple(p["padding"][d]) == (0, 0) and p["base_dilation"][d] == 1)
-    return [Rows(d, kind.mixed or (None if untouched else _where(
-        eqn, "a window op along the batch axis")), kind.exp)] * outs
+    rows = [k for k in kinds if isinstance(k, Rows)]
+    ok = (kind.dim not in moving and not (scaled - {kind.dim})
+          and all(isinstance(k, Const) or k.dim == kind.dim for k in kinds))
+    mixed = _first_mixed(rows) or _misaligned(eqn, rows)
+    return [Rows(kind.dim, mixed or (None if ok else _where(
+        eqn, "a window op along the batch axis")), kind.exp, kind.order)] * outs
   return [Top(_where(eqn, "a window op of batch values"))] * outs
 
 
@@ -783,18 +1326,19 @@ def _sort(w: _Walker, eqn, kinds):
   axis = eqn.params["dimension"]
   rows = [k for k in kinds if isinstance(k, Rows)]
   outs = len(eqn.outvars)
+  scaled = axis in w.scaled_dims(eqn, 0)
   if not rows:
     if all(isinstance(k, Const) for k in kinds):
-      return [Const(exp=k.exp) for k in kinds]
+      return [Const(exp=None if scaled else k.exp) for k in kinds]
     return [Top(_where(eqn, "a sort of batch statistics"))] * outs
   dim = rows[0].dim
   out_shape = _shape(eqn.outvars[0])
-  ok = axis != dim and all((isinstance(k, Rows) and k.dim == dim) or (
+  ok = axis != dim and not scaled and all((isinstance(k, Rows) and k.dim == dim) or (
       isinstance(k, Const) and _uniform_at(k, v, out_shape, dim))
       for k, v in zip(kinds, eqn.invars, strict=True))
-  mixed = next((r.mixed for r in rows if r.mixed), None)
+  mixed = _first_mixed(rows) or _misaligned(eqn, rows)
   mixed = mixed or (None if ok else _where(eqn, "a sort along the batch axis"))
-  return [Rows(dim, mixed, k.exp) for k in kinds]
+  return [Rows(dim, mixed, k.exp, rows[0].order) for k in kinds]
 
 
 def _random_keys(w: _Walker, eqn, kinds):
@@ -805,8 +1349,13 @@ def _random_keys(w: _Walker, eqn, kinds):
   if isinstance(kind, Const):
     return [Const()] * outs
   if isinstance(kind, Rows):
-    return [Rows(kind.dim, kind.mixed)] * outs
+    return [Rows(kind.dim, kind.mixed, 0.0, kind.order)] * outs
   return [Top(_where(eqn, "random numbers from a batch statistic"))] * outs
+
+
+def _dim_as_value(w: _Walker, eqn, kinds):
+  """A size as a value (symbolic mode: e.g. ``jnp.mean``'s divisor ``n``)."""
+  return Const(exp=w.degree(eqn.params["dim"]) if w.symbol is not None else None)
 
 
 def _identity(w: _Walker, eqn, kinds):
@@ -828,22 +1377,25 @@ _RULES: dict[str, Callable[..., Any]] = {
     "reshape": _reshape,
     "transpose": _transpose,
     "squeeze": _squeeze,
-    "rev": _along_batch("a reversal", lambda e, d: d not in e.params["dimensions"]),
-    "slice": _along_batch("a slice", _full_slice),
-    "dynamic_slice": _along_batch(
-        "a dynamic slice", lambda e, d: e.params["slice_sizes"][d] == _shape(e.invars[0])[d]),
-    "pad": _along_batch("padding", lambda e, d: tuple(e.params["padding_config"][d]) == (0, 0, 0)),
-    "split": _along_batch("a split", lambda e, d: e.params["axis"] != d),
-    "top_k": _along_batch("top_k", lambda e, d: d != len(_shape(e.invars[0])) - 1),
+    "rev": _along_batch("a reversal", lambda e: set(e.params["dimensions"])),
+    "slice": _along_batch("a slice", _sliced_dims),
+    "dynamic_slice": _along_batch("a dynamic slice", _sliced_dims),
+    "pad": _along_batch("padding", _padded_dims),
+    "split": _along_batch("a split", lambda e: {e.params["axis"]}),
+    "top_k": _along_batch("top_k", lambda e: {len(_shape(e.invars[0])) - 1}),
     "concatenate": _concatenate,
     "dynamic_update_slice": _dynamic_update_slice,
     "iota": _iota,
     "dot_general": _dot_general,
     "gather": _gather,
+    **{name: _scatter for name in ("scatter", "scatter-add", "scatter-mul", "scatter-min",
+                                   "scatter-max")},
     "conv_general_dilated": _conv,
     **{name: _window for name in ("reduce_window_sum", "reduce_window_max",
-                                  "reduce_window_min", "reduce_window")},
+                                  "reduce_window_min", "reduce_window",
+                                  "select_and_scatter_add")},
     "sort": _sort,
+    "dim_as_value": _dim_as_value,
     **{name: _random_keys for name in ("random_bits", "random_split", "random_wrap",
                                        "random_unwrap", "rng_bit_generator")},
     **{name: _identity for name in ("sharding_constraint", "reshard", "mesh_cast",
@@ -854,7 +1406,7 @@ _RULES: dict[str, Callable[..., Any]] = {
 }
 
 _ELEMENTWISE = frozenset("""
-    abs acos acosh add and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
+    abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
     bitcast_convert_type cbrt ceil clamp clz complex conj convert_element_type copy copy_p
     cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igamma_grad_a
     igammac imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg
@@ -875,23 +1427,22 @@ _TRANSPARENT = frozenset({"convert_element_type", "transpose", "copy", "copy_p",
 
 def _inner(w: _Walker, closed, kinds, sources, offset: int = 0) -> list[Kind]:
   jaxpr = getattr(closed, "jaxpr", closed)
-  consts = [Const()] * len(getattr(closed, "consts", ()) or getattr(jaxpr, "constvars", ()))
+  consts = list(getattr(closed, "consts", None) or [])
+  if len(consts) != len(jaxpr.constvars):
+    consts = [None] * len(jaxpr.constvars)
+  theirs = list(getattr(w.partners.get(("closed", id(closed))), "consts", None) or [])
+  if len(theirs) != len(consts):
+    theirs = [None] * len(consts)
+  const_kinds = [Const() if c is None else w.const_kind(c, d)
+                 for c, d in zip(consts, theirs, strict=True)]
   inner_sources = {pos - offset: p for pos, p in sources.items() if pos >= offset}
-  return w.run(jaxpr, consts, kinds, inner_sources)
+  return w.run(jaxpr, const_kinds, kinds, inner_sources)
 
 
 def _call_rule(param: str):
   def rule(w: _Walker, eqn, kinds, sources):
     return _inner(w, eqn.params[param], kinds, sources)
   return rule
-
-
-def _custom_vjp(w: _Walker, eqn, kinds, sources):
-  w.not_reducible.update(sources.values())
-  if all(isinstance(k, Const) for k in kinds):
-    return [Const(exp=_common_exp(kinds))] * len(eqn.outvars)
-  return [Top(_where(eqn, "a custom_vjp function (its backward rule cannot be analyzed)"))
-          ] * len(eqn.outvars)
 
 
 def _shard_map(w: _Walker, eqn, kinds, sources):
@@ -911,11 +1462,13 @@ def _scan(w: _Walker, eqn, kinds, sources):
     if pos >= n_consts:  # a param as loop state or sliced per iteration
       w.not_reducible.add(param)
   body_sources = {pos: q for pos, q in sources.items() if pos < n_consts}
+  if "length" in w.changed.get(id(eqn), ()) or any(
+      isinstance(k, Rows) and k.dim == 0 for k in xs):
+    return _scan_over_rows(w, eqn, kinds, body_sources)
   sliced: list[Kind] = []
   for k in xs:
     if isinstance(k, Rows):
-      sliced.append(Rows(k.dim - 1, k.mixed, k.exp) if k.dim > 0 else Top(_where(
-          eqn, "a scan over the batch axis")))
+      sliced.append(dataclasses.replace(k, dim=k.dim - 1))
     elif isinstance(k, Const):
       sliced.append(Const(frozenset(d - 1 for d in k.uniform if d > 0), k.value, k.exp))
     else:
@@ -930,12 +1483,105 @@ def _scan(w: _Walker, eqn, kinds, sources):
   stacked: list[Kind] = []
   for k in ys:
     if isinstance(k, Rows):
-      stacked.append(Rows(k.dim + 1, k.mixed, k.exp))
+      stacked.append(dataclasses.replace(k, dim=k.dim + 1))
     elif isinstance(k, Const):
       stacked.append(Const(frozenset(d + 1 for d in k.uniform), exp=k.exp))
     else:
       stacked.append(k)
   return [*carry, *stacked]
+
+
+def _scan_over_rows(w: _Walker, eqn, kinds, body_sources):
+  """A scan with one iteration per example (``lax.map`` over the batch, its transpose,
+  a ``fori_loop`` of ``n`` steps): the iterations are the examples, so the body is
+  analyzed as ``jax.vmap`` of it over them. Each carry must pass through unchanged or only
+  add a value that does not depend on the carries (a sum over the iterations, such as
+  the transposed scan's gradient accumulators); any other carry links the examples."""
+  p = eqn.params
+  n_consts, n_carry = p["num_consts"], p["num_carry"]
+  outs = len(eqn.outvars)
+  what = _where(eqn, "a loop over the examples that carries state from one to the next")
+  body = p["jaxpr"]
+  if not all(_accumulates(body.jaxpr, i, n_consts, n_carry) for i in range(n_carry)):
+    return [Top(what)] * outs
+  if any(isinstance(k, Rows) and k.dim != 0 for k in kinds[n_consts + n_carry:]):
+    return [Top(_where(eqn, "a scan over the batch axis"))] * outs
+  partner = w.partners.get(id(eqn))
+  count = (w.degree(p["length"]) if w.symbol is not None else
+           w.ratio_exp(p["length"], partner.params["length"]) if partner is not None else 0.0)
+  mapped = _vmapped(body, n_consts, n_carry, p["length"])
+  theirs = _vmapped(partner.params["jaxpr"], n_consts, n_carry,
+                    partner.params["length"]) if partner is not None else None
+  if mapped is None or (partner is not None and theirs is None):
+    return [Top(what)] * outs
+  if theirs is not None:
+    try:
+      w.pair(mapped.jaxpr, theirs.jaxpr)
+    except _Unpaired:
+      return [Top(what)] * outs
+    w.partners[("closed", id(mapped))] = theirs
+  zero = Const(value=0.0)  # the carries, seen from one step: what it adds to them
+  in_kinds = [*kinds[:n_consts], *([zero] * n_carry), *kinds[n_consts + n_carry:]]
+  got = _inner(w, mapped, in_kinds, body_sources)
+  carry = []
+  for init, step in zip(kinds[n_consts:n_consts + n_carry], got[:n_carry], strict=True):
+    carry.append(init if isinstance(step, Const) and step.value == 0 else _plus_sum(
+        eqn, init, step, count))
+  return [*carry, *got[n_carry:]]
+
+
+def _accumulates(jaxpr, i: int, n_consts: int, n_carry: int) -> bool:
+  """Whether carry ``i`` of a scan body passes through, or only has a carry-independent
+  value added to it."""
+  carry_in = jaxpr.invars[n_consts + i]
+  out = jaxpr.outvars[i]
+  if out is carry_in:
+    return True
+  carries = set(jaxpr.invars[n_consts:n_consts + n_carry])
+  producer = next((e for e in jaxpr.eqns if out in e.outvars), None)
+  if producer is None or producer.primitive.name not in ("add", "add_any"):
+    return False
+  others = [v for v in producer.invars if v is not carry_in]
+  if len(others) != 1:
+    return False
+  reached = set(carries)
+  for e in jaxpr.eqns:
+    if e is producer:
+      break
+    if any(not isinstance(v, jcore.Literal) and v in reached for v in e.invars):
+      reached.update(e.outvars)
+  return isinstance(others[0], jcore.Literal) or others[0] not in reached
+
+
+def _vmapped(body, n_consts: int, n_carry: int, length: int):
+  """``body`` vmapped over its sliced inputs (one per iteration), or None."""
+  avals = [v.aval for v in body.jaxpr.invars]
+  args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals[:n_consts + n_carry]]
+  args += [jax.ShapeDtypeStruct((length, *a.shape), a.dtype)
+           for a in avals[n_consts + n_carry:]]
+  in_axes = [None] * (n_consts + n_carry) + [0] * (len(avals) - n_consts - n_carry)
+  try:
+    return jax.make_jaxpr(jax.vmap(jcore.jaxpr_as_fun(body), in_axes=in_axes, out_axes=0,
+                                   axis_size=length))(*args)
+  except Exception:  # noqa: BLE001 - a body JAX cannot vmap: no proof
+    return None
+
+
+def _plus_sum(eqn, init: Kind, step: Kind, count: Exp) -> Kind:
+  """``init`` plus the sum over the iterations (examples) of ``step`` (stacked on axis 0);
+  ``count``: how the number of iterations scales."""
+  if isinstance(step, Rows) and step.dim == 0:
+    total: Kind = Stat(step.mixed, step.exp)
+  elif isinstance(step, Const) and (0 in step.uniform or step.value is not None):
+    total = Const(exp=_add_exps([step, Const(exp=count)]))  # equal terms, count of them
+  else:
+    return Top(_where(eqn, "a loop whose number of iterations follows the number of rows "
+                      "adds up values that are no per-example terms"))
+  if isinstance(init, Const) and init.value == 0:
+    return total
+  if isinstance(total, Const) and isinstance(init, Const):
+    return Const(exp=_common_exp([init, total]))
+  return Top(_where(eqn, "a loop over the examples whose sum starts from a non-zero value"))
 
 
 def _while(w: _Walker, eqn, kinds, sources):
@@ -953,9 +1599,9 @@ def _while(w: _Walker, eqn, kinds, sources):
 
   carry = w.loop(step, list(carry))
   (pred,) = _inner(w, p["cond_jaxpr"], [*cond_consts, *carry], cond_sources)
-  if not isinstance(pred, Const) or pred.exp is None:
-    return [Top(_where(eqn, "a while loop whose trip count depends on the batch"))] * len(
-        carry)
+  if not isinstance(pred, Const) or pred.exp != 0:
+    return [Top(_where(eqn, "a while loop whose trip count depends on the batch or on "
+                       "the number of rows"))] * len(carry)
   return carry
 
 
@@ -969,8 +1615,9 @@ def _cond(w: _Walker, eqn, kinds, sources):
     got = _inner(w, branch, list(operands), branch_sources)
     outs = got if outs is None else [_join(a, b) for a, b in zip(outs, got, strict=True)]
   assert outs is not None  # a conditional has at least one branch
-  if not isinstance(index, Const) or index.exp is None:
-    return [Top(_where(eqn, "a conditional on batch values"))] * len(outs)
+  if not isinstance(index, Const) or index.exp != 0:
+    return [Top(_where(eqn, "a conditional on batch values or on the number of rows"))
+            ] * len(outs)
   return outs
 
 
@@ -981,9 +1628,11 @@ _SUBCALLS: dict[str, Callable[..., list[Kind]]] = {
     "core_call": _call_rule("call_jaxpr"),
     "remat2": _call_rule("jaxpr"),
     "checkpoint": _call_rule("jaxpr"),
+    # In the jaxpr of a micro-step's value and gradients, a custom_jvp / custom_vjp call
+    # that remains is not differentiated (its rules were traced in where they are used):
+    # only its primal runs.
     "custom_jvp_call": _call_rule("call_jaxpr"),
-    "custom_vjp_call": _custom_vjp,
-    "custom_vjp_call_jaxpr": _custom_vjp,
+    "custom_vjp_call": _call_rule("call_jaxpr"),
     "shard_map": _shard_map,
     "scan": _scan,
     "while": _while,
@@ -1012,8 +1661,9 @@ def _join(a: Kind, b: Kind) -> Kind:
       return b
     return Top(mixing(b) or "a loop carry that starts batch-independent and becomes "
                "position-dependent")
-  if isinstance(a, Rows) and isinstance(b, Rows) and a.dim == b.dim and exp is not None:
-    return Rows(a.dim, a.mixed or b.mixed, exp)
+  if (isinstance(a, Rows) and isinstance(b, Rows) and a.dim == b.dim and exp is not None
+      and a.order == b.order):
+    return Rows(a.dim, a.mixed or b.mixed, exp, a.order)
   if isinstance(a, Stat) and isinstance(b, Stat):
     return Stat(a.mixed or b.mixed or (None if exp is not None else
                                        "a loop mixes sums and means over examples"), exp)

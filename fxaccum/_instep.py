@@ -555,8 +555,27 @@ def _decide(config: _Config, layout: sync.Layout, call: _Call) -> tuple[
   explicit = _explicit(layout.mesh, axes)
   if config.view == "global" and not explicit:
     return _view.Path("global", "view='global'", axes), frozenset()
+  problem, reducible = None, frozenset()
   try:
-    analysis, roles = _analyze(config, layout, call, paired=config.view == "auto")
+    for analysis, roles in _analyses(config, layout, call, paired=config.view == "auto"):
+      reducible = analysis.reducible if explicit else frozenset()
+      blockers = [*analysis.blockers,
+                  *([layout.device_blocker] if layout.device_blocker else [])]
+      if config.view == "device":
+        if blockers:
+          raise ValueError(
+              f"view='device' cannot run this loss per device: {blockers[0]}. Use "
+              "view='auto' (the default) or view='global'.")
+        return _view.Path("device", "view='device'", axes), reducible
+      if config.view == "global":
+        return _view.Path("global", "view='global'", axes), reducible
+      found, what = _view.classify(analysis.outputs, roles, config.loss_reduction)
+      if not blockers and found is None:
+        return _view.Path("device", f"the loss is a {what} of per-example terms", axes), \
+            reducible
+      problem = problem or (blockers[0] if blockers else found)
+      if blockers:  # no other trace removes a blocker
+        break
   except NameError as err:  # a collective over an axis that only the device view binds
     if config.view == "device":
       return _view.Path("device", "view='device'", axes), frozenset()
@@ -564,75 +583,110 @@ def _decide(config: _Config, layout: sync.Layout, call: _Call) -> tuple[
         f"The loss does not run on the global micro-batch ({_first_line(err)}). A loss "
         "that names the data axes in collectives (e.g. flax BatchNorm(axis_name=...), "
         "jax.lax.pmean(x, 'data')) runs only per device: pass view='device'.") from err
-  reducible = analysis.reducible if explicit else frozenset()
-  blockers = [*analysis.blockers, *([layout.device_blocker] if layout.device_blocker else [])]
-  if config.view == "device":
-    if blockers:
-      raise ValueError(
-          f"view='device' cannot run this loss per device: {blockers[0]}. Use view='auto' "
-          "(the default) or view='global'.")
-    return _view.Path("device", "view='device'", axes), reducible
-  if config.view == "global":
-    return _view.Path("global", "view='global'", axes), reducible
-  problem, what = _view.classify(analysis.outputs, roles)
-  problem = blockers[0] if blockers else problem
-  if problem is not None:
-    return _view.Path("global", problem, axes), reducible
-  return _view.Path("device", f"the loss is a {what} of per-example terms", axes), reducible
+  except _NoDeviceTrace as err:
+    problem = problem or str(err)
+  return _view.Path("global", problem or "no proof that per-device results add up", axes), \
+      reducible
 
 
-def _analyze(config: _Config, layout: sync.Layout, call: _Call,
-             paired: bool) -> tuple[_analysis.Analysis, list]:
-  """:func:`fxaccum._analysis.analyze` of the loss on a global micro-batch (paired with a
-  trace at twice its rows, to tell how each value scales); also each output's role.
+class _NoDeviceTrace(Exception):
+  """The micro-step does not trace on one device's rows (the message says why)."""
 
-  The loss is traced with the types the global view gives it; if that fails (code valid
-  only per device, e.g. a gather of data-sharded indices on an Explicit mesh), with the
-  data axes dropped from the types, as the per-device view sees them. Values, and so the
-  analysis, do not depend on shardings.
+
+def _analyses(config: _Config, layout: sync.Layout, call: _Call, paired: bool):
+  """:func:`fxaccum._analysis.analyze` of one micro-step (the loss, its aux and state, and
+  its gradients), with each output's role: ``(analysis, roles)`` pairs, generated lazily.
+
+  With ``paired``, the step is first traced with a *symbolic* number of rows: a proof on
+  that jaxpr holds for every number of rows, so for the global micro-batch and for each
+  device's share alike. Where that trace fails (the loss's Python code computes with the
+  number of rows, e.g. ``max(n, 8)`` or a numpy array of ``n`` weights) or proves
+  nothing (JAX spells a few operations differently for a symbolic size, e.g. a reversal
+  as a gather), the step is traced on the global micro-batch and on one device's rows,
+  and the two programs are compared (see :mod:`fxaccum._analysis`): the proof then holds
+  for the two programs that run. Without ``paired`` only the global micro-batch is
+  traced (to find mixing operations and reducible params, not how values scale).
+
+  The global step is traced with the types the global view gives it; if that fails (code
+  valid only per device, e.g. a gather of data-sharded indices on an Explicit mesh), with
+  the data axes dropped from the types, as the per-device view sees them. Values, and so
+  the analysis, do not depend on shardings.
   """
+  axes = layout.data_axes
   micro = jax.eval_shape(lambda b: split.micro_batch(b, 0, config.micro_batches),
                          call.batch(config))
-  leaves = [_gathered(leaf, layout.data_axes) for leaf in call.diff_leaves]
+  leaves = [_gathered(leaf, axes) for leaf in call.diff_leaves]
+  rows, devices = jax.tree.leaves(micro)[0].shape[0], layout.data_devices
+  paired = paired and devices > 1
 
-  def trace(leaves, micro, state):
-    return jax.make_jaxpr(
-        lambda leaves, micro, state: call.loss(config, leaves, micro, 0, state),
-        return_shape=True)(leaves, micro, state)
+  def step(leaves, micro, state):
+    def total(leaves):
+      loss_total, weight, aux, state_out, sown = call.loss(config, leaves, micro, 0, state)
+      return loss_total, (weight, aux, state_out, sown)
+    return jax.value_and_grad(total, has_aux=True)(leaves)
 
-  def trace_either(micro):
-    try:
-      return trace(leaves, micro, call.state)
-    except Exception as err:  # noqa: BLE001 - retried without data axes, else re-raised
-      try:
-        return trace(*jax.tree.map(lambda x: _gathered(x, layout.data_axes, batch=True),
-                                   (leaves, micro, call.state)))
-      except Exception:  # noqa: BLE001
-        raise err from None
+  def per_device(tree, new_rows: Any = None):
+    """Abstract values as the device view types them, with ``new_rows`` rows."""
+    def local(x):
+      x = _gathered(x, axes, batch=True)
+      if new_rows is None:
+        return x
+      return jax.ShapeDtypeStruct((new_rows, *x.shape[1:]), x.dtype, sharding=x.sharding)
+    return jax.tree.map(local, tree)
 
-  closed, (_, _, aux, state, sown) = trace_either(micro)
-  twice = None
+  def analysis(traced, rows, partner=None):
+    closed, ((_, (_, aux, state, sown)), _) = traced
+    roles = _roles(closed, aux, state, sown, len(call.diff_leaves),
+                   len(jax.tree.leaves(micro)))
+    return _analysis.analyze(
+        closed, rows=rows, batch_inputs=range(len(call.diff_leaves), len(
+            call.diff_leaves) + len(jax.tree.leaves(micro))),
+        param_inputs=range(len(call.diff_leaves)), partner=partner,
+        partner_rows=rows // devices if partner is not None else None), roles
+
   if paired:
-    doubled = jax.eval_shape(
-        lambda m: jax.tree.map(lambda a: jnp.concatenate([a, a]), m), micro)
-    twice, _ = trace_either(doubled)
+    (symbol,) = jax.export.symbolic_shape("rows")
+    try:
+      traced = jax.make_jaxpr(step, return_shape=True)(
+          per_device(leaves), per_device(micro, symbol), per_device(call.state))
+    except Exception:  # noqa: BLE001 - not traceable for any number of rows: pair two
+      traced = None
+    if traced is not None:
+      yield analysis(traced, symbol)
+  try:
+    traced = jax.make_jaxpr(step, return_shape=True)(leaves, micro, call.state)
+  except Exception as err:  # noqa: BLE001 - retried without data axes, else re-raised
+    try:
+      traced = jax.make_jaxpr(step, return_shape=True)(*per_device((leaves, micro,
+                                                                    call.state)))
+    except Exception:  # noqa: BLE001
+      raise err from None
+  partner = None
+  if paired:
+    try:
+      partner = jax.make_jaxpr(step)(per_device(leaves), per_device(micro, rows // devices),
+                                     per_device(call.state))
+    except Exception as err:  # noqa: BLE001 - the device view could not run it either
+      raise _NoDeviceTrace(f"the loss did not trace per device ({_first_line(err)})") from err
+  yield analysis(traced, rows, partner)
+
+
+def _roles(closed: Any, aux: Any, state: Any, sown: Any, n_diff: int,
+           n_micro: int) -> list[_view.Role]:
+  """The role of each output of a traced micro-step (see :func:`_analyses`)."""
   roles: list[_view.Role] = ["total", "weight"]
   for marker in jax.tree.leaves(aux, is_leaf=_is_marker):
     marker_roles: dict[type, list[_view.Role]] = {
         Weighted: ["aux_total", "aux_weight"], Sum: ["aux_sum"], Concat: ["aux_concat"]}
     roles.extend(marker_roles.get(type(marker), ["aux"]))
-  n_diff, n_micro = len(call.diff_leaves), len(jax.tree.leaves(micro))
-  n_state = len(jax.tree.leaves(state))
   # Threaded module state must pass through unchanged for the per-device view.
   state_in = closed.jaxpr.invars[n_diff + n_micro:]
-  state_out = closed.jaxpr.outvars[len(roles):len(roles) + n_state]
+  state_out = closed.jaxpr.outvars[len(roles):len(roles) + len(jax.tree.leaves(state))]
   roles.extend("state" if v_out is v_in else "state_update"
                for v_in, v_out in zip(state_in, state_out, strict=True))
   roles.extend(["sown"] * len(jax.tree.leaves(sown)))
-  analysis = _analysis.analyze(
-      closed, rows=jax.tree.leaves(micro)[0].shape[0],
-      batch_inputs=range(n_diff, n_diff + n_micro), param_inputs=range(n_diff), twice=twice)
-  return analysis, roles
+  roles.extend(["grad"] * n_diff)
+  return roles
 
 
 def _gathered(leaf: Any, data_axes: tuple[str, ...], batch: bool = False) -> Any:
@@ -715,7 +769,7 @@ def _per_rank(config: _Config, layout: sync.Layout, call: _Call):
         "outside the shard_map, or use view='auto'.")
   if config.view == "auto":
     try:
-      total = _analyze(config, layout, call, paired=False)[0].outputs[0]
+      total = next(_analyses(config, layout, call, paired=False))[0].outputs[0]
     except Exception:  # noqa: BLE001 - the check is best effort; the loop traces it again
       total = None
     if isinstance(total, _analysis.Stat) and total.ratio:

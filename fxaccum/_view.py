@@ -81,7 +81,7 @@ def recorded(hlo_text: str) -> list[Path]:
 
 
 Role = Literal["total", "weight", "aux", "aux_total", "aux_weight", "aux_sum", "aux_concat",
-               "state", "state_update", "sown"]
+               "state", "state_update", "sown", "grad"]
 
 
 def _lam(kind: _analysis.Kind) -> float | None:
@@ -98,13 +98,16 @@ def _lam(kind: _analysis.Kind) -> float | None:
   return None
 
 
-def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role]) -> tuple[
-    str | None, str]:
+def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role],
+             loss_reduction: str = "mean") -> tuple[str | None, str]:
   """Whether per-device results combine into the global ones.
 
   Per device, fxaccum adds up the totals and the weights (a scalar loss has weight 1)
   and divides once. That is the global ratio when total and weight scale alike from the
-  devices to the whole (both sums over examples, or both means); a plain aux leaf, averaged
+  devices to the whole (both sums over examples, or both means); with
+  ``loss_reduction="sum"`` the totals are only added up, so the loss must be a sum over
+  examples. Each gradient must add up from the devices like the total (the gradient of a
+  mean is a mean, whatever derivative rules produced it). A plain aux leaf, averaged
   with the devices' weights, must be batch-independent, or a mean while the weight is a
   constant.
 
@@ -121,7 +124,7 @@ def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role]) -> tuple[
       return "the loss sows values into the module (Module.sow)", ""
     if role == "aux_concat":
       if not (isinstance(kind, _analysis.Rows) and kind.dim == 0 and kind.mixed is None
-              and kind.exp == 0):
+              and kind.exp == 0 and kind.order == 0):
         return _mixed_reason(kind, role) if not isinstance(kind, _analysis.Rows) or (
             kind.mixed) else "a Concat aux leaf is not per-example rows on axis 0", ""
       continue
@@ -132,7 +135,18 @@ def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role]) -> tuple[
     if role == "aux_sum" and lam != 0:
       return ("a Sum aux leaf is no sum over examples (per device it would be counted once "
               "per device)"), ""
-  pairs = [(i, i + 1) for i, role in enumerate(roles) if role in ("total", "aux_total")]
+  total_lam = lams[roles.index("total")]
+  if loss_reduction == "sum" and total_lam != 0:
+    return ("loss_reduction='sum' adds up the per-device losses, but the loss is no sum "
+            "over examples (e.g. a mean over this micro-batch: per device it would be "
+            "counted once per device)"), ""
+  for kind, role, lam in zip(outputs, roles, lams, strict=True):
+    if role == "grad" and lam != total_lam and not (
+        isinstance(kind, _analysis.Const) and kind.value == 0):
+      return ("a gradient does not add up over the devices like the loss (e.g. a custom "
+              "derivative rule that scales with the number of examples)"), ""
+  pairs = [(i, i + 1) for i, role in enumerate(roles)
+           if role == "aux_total" or (role == "total" and loss_reduction == "mean")]
   for a, b in pairs:
     if lams[a] != lams[b]:
       what = "loss" if roles[a] == "total" else "Weighted aux leaf"
@@ -152,6 +166,7 @@ def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role]) -> tuple[
 
 def _mixed_reason(kind: _analysis.Kind, role: Role) -> str:
   what = {"total": "the loss", "weight": "the loss's weight", "aux": "an aux leaf",
+          "grad": "a gradient",
           "aux_total": "a Weighted aux leaf", "aux_weight": "a Weighted aux leaf's weight",
           "aux_sum": "a Sum aux leaf", "aux_concat": "a Concat aux leaf"}.get(role, role)
   reason = _analysis.mixing(kind)
