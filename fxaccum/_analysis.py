@@ -194,7 +194,7 @@ class _Walker:
     self.blockers: list[str] = []
     self.not_reducible: set[int] = set()
     # id(eqn) -> the same equation in the partner trace; id(jaxpr) -> the same jaxpr
-    self.partners: dict[int, Any] = {}
+    self.partners: dict[Any, Any] = {}
     # id(eqn) -> the names of its parameters that differ in the partner trace
     self.changed: dict[int, tuple[str, ...]] = {}
     # var -> its shape in the partner trace, where no partner equation gives it (a sum
@@ -1108,9 +1108,9 @@ def _dot_general(w: _Walker, eqn, kinds):
   exp = _add_exps(kinds)
   scaled_contract = [w.scaled_dims(eqn, 0) & set(lc), w.scaled_dims(eqn, 1) & set(rc)]
   if isinstance(lhs, Const) and isinstance(rhs, Const):
-    uniform = [d in lhs.uniform and rd in rhs.uniform for d, rd in zip(lb, rb, strict=True)]
-    uniform += [d in lhs.uniform for d in lhs_free] + [d in rhs.uniform for d in rhs_free]
-    return Const(frozenset(i for i, u in enumerate(uniform) if u),
+    along = [d in lhs.uniform and rd in rhs.uniform for d, rd in zip(lb, rb, strict=True)]
+    along += [d in lhs.uniform for d in lhs_free] + [d in rhs.uniform for d in rhs_free]
+    return Const(frozenset(i for i, u in enumerate(along) if u),
                  exp=exp if not scaled_contract[0] else None)
   stats = [k for k in kinds if isinstance(k, Stat)]
   if stats:
@@ -1153,9 +1153,8 @@ def _dot_general(w: _Walker, eqn, kinds):
   if row.dim in mine or row.dim in batch[side]:
     partner = (theirs[list(mine).index(row.dim)] if row.dim in mine
                else batch[1 - side][list(batch[side]).index(row.dim)])
-    uniform = (const.value is not None or partner in const.uniform
-               or _shape(const_var)[partner] == 1)
-    if not uniform:
+    if not (const.value is not None or partner in const.uniform
+            or _shape(const_var)[partner] == 1):
       mixed = mixed or _where(eqn, "a matmul of examples with position-dependent values")
   if (scaled_contract[side] - {row.dim}) or (scaled_contract[1 - side] - {partner}):
     mixed = mixed or _where(eqn, "a matmul over a dimension whose size follows the rows")

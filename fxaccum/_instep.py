@@ -555,7 +555,8 @@ def _decide(config: _Config, layout: sync.Layout, call: _Call) -> tuple[
   explicit = _explicit(layout.mesh, axes)
   if config.view == "global" and not explicit:
     return _view.Path("global", "view='global'", axes), frozenset()
-  problem, reducible = None, frozenset()
+  problem: str | None = None
+  reducible: frozenset[int] = frozenset()
   try:
     for analysis, roles in _analyses(config, layout, call, paired=config.view == "auto"):
       reducible = analysis.reducible if explicit else frozenset()

@@ -92,7 +92,9 @@ def _view(state: Any, model: Any = None, tx: Any = None) -> _View:
                             "optimizer": nnx.as_pure(nnx.state(state))}
     return _View(tree, state.tx, params, tree["optimizer"]["opt_state"])
   if isinstance(state, fx_flax.TrainState):
-    tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+    # Every pytree field, also those of a subclass (e.g. batch_stats, dynamic_scale).
+    tree = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+            if f.metadata.get("pytree_node", True)}
     return _View(tree, state.tx, state.params, state.opt_state)
   if _accumulate_states(state):
     if tx is None:
@@ -218,7 +220,8 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, *, model: Any = 
   view = _view(state, model, tx)
   meta = _describe(view)
   canonical, raw = _canonical(view.tree, meta)
-  items = {_STATE: ocp.args.StandardSave(canonical), _META: ocp.args.JsonSave(meta)}
+  items = {_STATE: ocp.args.StandardSave(_key_data(canonical)),
+           _META: ocp.args.JsonSave(meta)}
   if raw:
     items[_PER_DEVICE] = ocp.args.StandardSave(raw)
   return manager.save(step, args=ocp.args.Composite(**items), force=force)
@@ -272,7 +275,7 @@ def restore(manager: ocp.CheckpointManager, step: int | None, like: Any, *,
   _check(saved_meta, meta, manager, view, step)
 
   canonical_like, raw_like = _canonical(view.tree, meta)
-  target = _abstract(canonical_like, view.params, mesh)
+  target = _abstract(_key_data(canonical_like), view.params, mesh)
   restore_items = {_STATE: ocp.args.StandardRestore(target)}
   assert saved_meta is not None  # _check raised otherwise
   same_devices = {str(cfg["index"]) for key, cfg in meta["accumulators"].items()
@@ -282,7 +285,8 @@ def restore(manager: ocp.CheckpointManager, step: int | None, like: Any, *,
     restore_items[_PER_DEVICE] = ocp.args.StandardRestore(
         _abstract({k: v for k, v in raw_like.items() if k in same_devices}, None, mesh))
   out = manager.restore(step, args=ocp.args.Composite(**restore_items))
-  tree = _expand(out[_STATE], view.tree, out.get(_PER_DEVICE) or {}, meta)
+  restored = _keys_like(out[_STATE], canonical_like)
+  tree = _expand(restored, view.tree, out.get(_PER_DEVICE) or {}, meta)
   return _rebuild(like, model, tree)
 
 
@@ -345,7 +349,7 @@ def _check(saved_meta, meta, manager, view, step) -> None:
   saved_tree = ocp.StandardCheckpointHandler().metadata(
       manager.directory / str(step) / _STATE).tree
   saved_paths = _paths_and_shapes(saved_tree)
-  target_paths = _paths_and_shapes(_canonical(view.tree, meta)[0])
+  target_paths = _paths_and_shapes(_key_data(_canonical(view.tree, meta)[0]))
   if saved_paths != target_paths:
     raise CheckpointMismatchError(
         f"Checkpoint step {step} and the target differ: only in the checkpoint: "
@@ -446,6 +450,34 @@ def _rebuild(like: Any, model: Any, tree: Any) -> Any:
     nnx.update(like, tree["optimizer"])
     return like
   if isinstance(like, fx_flax.TrainState):
-    return like.replace(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"])
+    return like.replace(**tree)
   return tree
+
+
+def _is_key(x: Any) -> bool:
+  return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def _key_data(tree: Any) -> Any:
+  """``tree`` with typed PRNG keys (e.g. NNX ``Rngs``) as their raw data, which Orbax
+  stores; abstract keys become abstract data."""
+  def data(x):
+    if not _is_key(x):
+      return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+      shape = jax.eval_shape(jax.random.key_data, x).shape
+      return jax.ShapeDtypeStruct(shape, jnp.uint32, sharding=x.sharding)
+    return jax.random.key_data(x)
+  return jax.tree.map(data, tree)
+
+
+def _keys_like(tree: Any, like: Any) -> Any:
+  """Restored raw key data back into typed keys, with the implementation of ``like``'s."""
+  def key(x, like_leaf):
+    if not _is_key(like_leaf):
+      return x
+    impl = (jax.random.key_impl(like_leaf) if isinstance(like_leaf, jax.Array)
+            else like_leaf.dtype._impl)  # an abstract key: its dtype names the impl
+    return jax.random.wrap_key_data(x, impl=impl)
+  return jax.tree.map(key, tree, like)
 

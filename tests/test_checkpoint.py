@@ -3,13 +3,17 @@
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from flax.training import dynamic_scale as dynamic_scale_lib
 from helpers import (
     example_mean_loss,
     make_data,
@@ -237,3 +241,118 @@ def test_restore_onto_an_eval_shape_target(tmp_path):
   restored = fxaccum.checkpoint.restore(mgr, 2, jax.eval_shape(linen_state))
   assert int(restored.micro_step) == 2
   assert_trees_equal((restored.params, restored.opt_state), (state.params, state.opt_state))
+
+
+class BatchNormNet(nn.Module):
+  """imagenet's pattern in small: BatchNorm statistics in a mutable collection."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Dense(16, use_bias=False)(x)
+    x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+    return nn.Dense(1)(x)[..., 0]
+
+
+class ImagenetState(fxaccum.TrainState):
+  """flax's imagenet TrainState, built on fxaccum's: extra pytree fields."""
+
+  batch_stats: Any
+  dynamic_scale: dynamic_scale_lib.DynamicScale
+
+
+def imagenet_state(seed=0):
+  model = BatchNormNet()
+  variables = model.init(jax.random.key(seed), np.ones((4, 8), np.float32))
+  tx = optax.chain(fxaccum.accumulate(K), optax.adam(1e-2))
+  return model, ImagenetState.create(
+      apply_fn=model.apply, params=variables["params"], tx=tx,
+      batch_stats=variables["batch_stats"], dynamic_scale=dynamic_scale_lib.DynamicScale())
+
+
+@jax.jit
+def imagenet_step(state, batch):
+  def loss_fn(params):
+    out, new_model_state = state.apply_fn(
+        {"params": params, "batch_stats": state.batch_stats}, batch["x"][:, 0],
+        mutable=["batch_stats"])
+    return jnp.mean((out - batch["y"][:, 0]) ** 2), new_model_state
+
+  dynamic_scale, _, (_, new_model_state), grads = state.dynamic_scale.value_and_grad(
+      loss_fn, has_aux=True)(state.params)
+  return state.apply_gradients(grads=grads, batch_stats=new_model_state["batch_stats"],
+                               dynamic_scale=dynamic_scale)
+
+
+def test_train_state_subclass_fields_round_trip_bit_exact(tmp_path):
+  """Every pytree field of a TrainState subclass (imagenet's batch_stats and
+  dynamic_scale) is saved and restored, not filled in from the target."""
+  _, full = imagenet_state()
+  for call in range(CALLS):
+    full = imagenet_step(full, micro_batch(call))
+  _, part = imagenet_state()
+  for call in range(2):
+    part = imagenet_step(part, micro_batch(call))
+  mgr = manager(tmp_path)
+  fxaccum.checkpoint.save(mgr, 2, part)
+  _, target = imagenet_state(seed=1)
+  # Negative control: the target's statistics and scale counters are not the saved ones.
+  assert not np.array_equal(jax.tree.leaves(target.batch_stats)[0],
+                            jax.tree.leaves(part.batch_stats)[0])
+  assert int(part.dynamic_scale.fin_steps) != int(target.dynamic_scale.fin_steps)
+  resumed = fxaccum.checkpoint.restore(mgr, 2, target)
+  assert type(resumed) is ImagenetState and resumed.apply_fn is target.apply_fn
+  assert_trees_equal(resumed.batch_stats, part.batch_stats)
+  assert_trees_equal(resumed.dynamic_scale, part.dynamic_scale)
+  for call in range(2, CALLS):
+    resumed = imagenet_step(resumed, micro_batch(call))
+  assert_trees_equal(resumed, full)
+
+
+class DropoutBatchNormNet(nnx.Module):
+  """NNX state of every kind: params, BatchNorm statistics, RNG keys and counts."""
+
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(8, 16, rngs=rngs)
+    self.norm = nnx.BatchNorm(16, rngs=rngs)
+    self.dropout = nnx.Dropout(0.3, rngs=rngs)
+    self.out = nnx.Linear(16, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(self.dropout(nnx.relu(self.norm(self.linear(x)))))[..., 0]
+
+
+@nnx.jit
+def nnx_dropout_step(model, opt, batch):
+  def loss(model):
+    return jnp.mean((model(batch["x"][:, 0]) - batch["y"][:, 0]) ** 2)
+  opt.update(model, nnx.grad(loss)(model))
+
+
+def test_nnx_state_of_every_kind_round_trips_bit_exact(tmp_path):
+  def fresh(seed):
+    model = DropoutBatchNormNet(nnx.Rngs(seed, dropout=seed + 10))
+    return model, fxaccum.Optimizer(model, optax.chain(fxaccum.accumulate(K),
+                                                       optax.adam(1e-2)), wrt=nnx.Param)
+
+  model, opt = fresh(0)
+  for call in range(CALLS):
+    nnx_dropout_step(model, opt, micro_batch(call))
+  part_model, part_opt = fresh(0)
+  for call in range(3):
+    nnx_dropout_step(part_model, part_opt, micro_batch(call))
+  mgr = manager(tmp_path)
+  fxaccum.checkpoint.save(mgr, 3, part_opt, model=part_model)
+  res_model, res_opt = fresh(1)  # other params, statistics and RNG streams
+  fxaccum.checkpoint.restore(mgr, 3, res_opt, model=res_model)
+  for call in range(3, CALLS):  # dropout draws from the restored RNG streams
+    nnx_dropout_step(res_model, res_opt, micro_batch(call))
+  keys = nnx.state(res_model, nnx.RngKey)
+  assert jax.tree.leaves(keys) and all(
+      jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key) for k in jax.tree.leaves(keys))
+  assert_trees_equal(jax.tree.map(_raw, nnx.state(res_model)),
+                     jax.tree.map(_raw, nnx.state(model)))
+  assert_trees_equal(nnx.state(res_opt), nnx.state(opt))
+
+
+def _raw(x):
+  return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
