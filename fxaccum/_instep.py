@@ -24,6 +24,7 @@ from typing import Any, Literal, ParamSpec, Required, TypedDict, Unpack, overloa
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -305,6 +306,7 @@ def _call(config: _Config, compiled: dict, args: Sequence[Any], kwargs: dict) ->
         "Pass the params and the batch positionally."
     )
   module_args = args
+  _check_graph_nodes(args, config)
   args, state, sown, modules = _nnx.Modules.split(args, config.diff_argnums, config.filters)
   diff = [args[i] for i in config.diff_argnums]
   batch = [args[i] for i in config.batch_argnums]
@@ -347,6 +349,22 @@ def _call(config: _Config, compiled: dict, args: Sequence[Any], kwargs: dict) ->
   if modules is not None:  # as nnx.value_and_grad does: the modules' state, in place
     modules.update(module_args, state, sown, new_sown)
   return out
+
+
+def _check_graph_nodes(args: Sequence[Any], config: _Config) -> None:
+  """NNX graph nodes (modules, ``nnx.Rngs``, Variables) are threaded through the
+  micro-batches like module state: one cannot be the batch, nor a key to fold."""
+  for name, argnums in (("batch_argnums", config.batch_argnums),
+                        ("rng_argnums", config.rng_argnums)):
+    for i in argnums:
+      if nnx.graph.is_graph_node(args[i]):
+        raise TypeError(
+            f"argument {i} is an {type(args[i]).__name__} (an NNX graph node), but "
+            f"{name}={getattr(config, name)} names it. fxaccum threads NNX graph nodes "
+            "through the micro-batches like module state (an nnx.Rngs advances once per "
+            "micro-batch), and splits only the batch: pass the batch as an argument of "
+            "its own and name it in batch_argnums, e.g. loss_fn(model, batch, rngs) with "
+            "batch_argnums=1 (a batch the loss closes over is not split).")
 
 
 def _check_kwargs(kwargs: dict, rows: int, config: _Config) -> None:

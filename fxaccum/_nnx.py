@@ -35,83 +35,90 @@ def argnums_and_filters(argnums: Any) -> tuple[Any, dict[int, Any]]:
 
 @dataclasses.dataclass(frozen=True)
 class Modules:
-  """How to rebuild the module arguments of one call from their states.
+  """How to rebuild the NNX arguments of one call from their states.
+
+  Every positional argument that is an NNX graph node (an ``nnx.Module``, ``nnx.Rngs``,
+  any ``nnx.Pytree`` or ``Variable``) is taken the ``nnx.value_and_grad`` way. They are
+  split together, so a variable that two of them share stays one variable.
 
   Attributes:
-    positions: the positional arguments that are ``nnx.Module``s.
-    graphdefs: their graph definitions.
+    positions: the positional arguments that are NNX graph nodes.
+    graphdef: the graph definition of the tuple of them.
     wrt: per position, the filter of the differentiated variables (None: not
       differentiated, all its state is threaded).
   """
 
   positions: tuple[int, ...]
-  graphdefs: tuple[Any, ...]
+  graphdef: Any
   wrt: tuple[Any, ...]
 
   @staticmethod
   def split(args: Sequence[Any], diff_argnums: Sequence[int], filters: dict[int, Any]
             ) -> tuple[list[Any], Any, Any, Modules | None]:
-    """``(args, state, sown, modules)``: the modules in ``args`` replaced by their
+    """``(args, state, sown, modules)``: the graph nodes in ``args`` replaced by their
     differentiated state (or None), their threaded state, and their sown values."""
-    positions = tuple(i for i, a in enumerate(args) if isinstance(a, nnx.Module))
+    positions = tuple(i for i, a in enumerate(args) if nnx.graph.is_graph_node(a))
     if not positions:
       return list(args), (), (), None
+    wrt = tuple(filters.get(i, nnx.Param) if i in diff_argnums else None for i in positions)
+    graphdef, diff, sown, state = _split_module(
+        tuple(args[i] for i in positions), _differentiated(wrt), nnx.Intermediate, ...)
+    if nnx.to_flat_state(sown):
+      # Sown values the nodes hold already are set aside (and put back in front of the
+      # new ones at the end): the nodes run without them, as freshly built ones would.
+      clone = nnx.merge(graphdef, diff, sown, state)
+      nnx.pop(clone, nnx.Intermediate)
+      graphdef, diff, state = _split_module(clone, _differentiated(wrt), ...)
     args = list(args)
-    graphdefs, wrt, states, sown = [], [], [], []
-    for i in positions:
-      target = filters.get(i, nnx.Param) if i in diff_argnums else None
-      if target is None:
-        graphdef, intermediates, rest = _split_module(args[i], nnx.Intermediate, ...)
-        args[i] = None
-      else:
-        graphdef, args[i], intermediates, rest = _split_module(args[i], target,
-                                                           nnx.Intermediate, ...)
-      graphdefs.append(graphdef)
-      wrt.append(target)
-      states.append(rest)
-      sown.append(intermediates)
-    return args, tuple(states), tuple(sown), Modules(positions, tuple(graphdefs), tuple(wrt))
+    for j, i in enumerate(positions):
+      args[i] = (diff[j] if j in diff else nnx.State({})) if wrt[j] is not None else None
+    return args, state, sown, Modules(positions, graphdef, wrt)
 
-  def merged(self, call_args: list[Any], states: Any) -> tuple[list[Any], Callable]:
-    """``call_args`` with the modules rebuilt (without sown values), and a function that
-    returns their ``(state, sown)`` after the call."""
+  def merged(self, call_args: list[Any], state: Any) -> tuple[list[Any], Callable]:
+    """``call_args`` with the graph nodes rebuilt (holding no sown values yet), and a
+    function that returns their ``(state, sown)`` after the call."""
     call_args = list(call_args)
     # Fresh Variables, created where the loss runs: NNX lets a Variable change only in the
     # trace it was created in (the carried state comes from the loop's trace).
-    states = jax.tree.map(lambda x: x, states)
-    modules = []
-    for i, graphdef, wrt, state in zip(self.positions, self.graphdefs, self.wrt, states,
-                                       strict=True):
-      parts = (call_args[i], state) if wrt is not None else (state,)
-      module = nnx.merge(graphdef, *parts)
-      call_args[i] = module
-      modules.append(module)
+    state = jax.tree.map(lambda x: x, state)
+    diff = nnx.State({j: call_args[i] for j, (i, wrt) in enumerate(zip(
+        self.positions, self.wrt, strict=True)) if wrt is not None})
+    nodes = nnx.merge(self.graphdef, diff, state)
+    for j, i in enumerate(self.positions):
+      call_args[i] = nodes[j]
 
     def after() -> tuple[Any, Any]:
-      new_states, sown = [], []
-      for module, wrt, old in zip(modules, self.wrt, states, strict=True):
-        filters = (wrt, nnx.Intermediate, ...) if wrt is not None else (nnx.Intermediate, ...)
-        *_, intermediates, rest = _split_module(module, *filters)
-        if jax.tree.structure(rest) != jax.tree.structure(old):  # type: ignore[operator]
-          raise ValueError(
-              "The loss created or removed module state other than sown values while it "
-              f"ran ({jax.tree.structure(old)} -> {jax.tree.structure(rest)}); fxaccum "
-              "threads a fixed set of variables through the micro-batches. Create the "
-              "variables before calling it (e.g. run the model once).")
-        new_states.append(rest)
-        sown.append(intermediates)
-      return tuple(new_states), tuple(sown)
+      _, _, sown, new_state = _split_module(nodes, _differentiated(self.wrt),
+                                            nnx.Intermediate, ...)
+      if jax.tree.structure(new_state) != jax.tree.structure(state):  # type: ignore[operator]
+        raise ValueError(
+            "The loss created or removed module state other than sown values while it "
+            f"ran ({jax.tree.structure(state)} -> {jax.tree.structure(new_state)}); "
+            "fxaccum threads a fixed set of variables through the micro-batches. Create "
+            "the variables before calling it (e.g. run the model once).")
+      return new_state, sown
 
     return call_args, after
 
-  def update(self, args: Sequence[Any], states: Any, sown_before: Any, sown: Any) -> None:
-    """Writes the final state into the modules, with each micro-batch's sown values
+  def update(self, args: Sequence[Any], state: Any, sown_before: Any, sown: Any) -> None:
+    """Writes the final state into the graph nodes, with each micro-batch's sown values
     (stacked on a leading micro-batch axis) appended to those they held before."""
-    for i, state, before, stacked in zip(self.positions, states, sown_before, sown,
-                                         strict=True):
-      nnx.update(args[i], state)
-      if jax.tree.leaves(stacked):
-        nnx.update(args[i], _appended(before, stacked))
+    nodes = tuple(args[i] for i in self.positions)
+    nnx.update(nodes, state)
+    if jax.tree.leaves(sown):
+      nnx.update(nodes, _appended(sown_before, sown))
+
+
+def _differentiated(wrt: tuple[Any, ...]) -> Callable[[Any, Any], bool]:
+  """The filter, over the tuple of graph nodes, of the variables differentiated: those of
+  each differentiated position's own filter (applied to paths inside that node)."""
+  predicates = [None if f is None else nnx.filterlib.to_predicate(f) for f in wrt]
+
+  def differentiated(path, value) -> bool:
+    predicate = predicates[path[0]]
+    return predicate is not None and predicate(path[1:], value)
+
+  return differentiated
 
 
 def _appended(before: nnx.State, stacked: nnx.State) -> nnx.State:

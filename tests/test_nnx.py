@@ -222,3 +222,87 @@ def test_plain_batch_shaped_aux_warns_and_points_to_concat():
   with pytest.warns(UserWarning, match="fxaccum.Concat"):
     fxaccum.value_and_grad(loss, has_aux=True, micro_batches=4)(jnp.ones(3),
                                                                 jnp.ones((16, 3)))
+
+
+class MnistLikeCNN(nnx.Module):
+  """flax's NNX mnist example in small: dropout from an ``nnx.Rngs`` passed at call time."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.up = nnx.Linear(DIM, WIDTH, use_bias=False, rngs=rngs)  # BatchNorm cancels a bias
+    self.norm = nnx.BatchNorm(WIDTH, rngs=rngs)
+    self.drop = nnx.Dropout(rate=0.25)
+    self.out = nnx.Linear(WIDTH, 1, rngs=rngs)
+
+  def __call__(self, x, rngs: nnx.Rngs):
+    return self.out(nnx.relu(self.drop(self.norm(self.up(x)), rngs=rngs)))[..., 0]
+
+
+def mnist_loss(model, batch, rngs):
+  pred = model(batch["x"], rngs)
+  return jnp.mean((pred - batch["y"]) ** 2), fxaccum.Concat(pred)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_rngs_argument_is_threaded_like_module_state(k):
+  """``loss_fn(model, batch, rngs)`` (flax's NNX mnist example): the Rngs is split with
+  the model and its counts threaded, as nnx.value_and_grad on the micro-batches one after
+  another does; before, a TraceContextError."""
+  batch = data(3)
+  ref_model, ref_rngs = MnistLikeCNN(nnx.Rngs(0)), nnx.Rngs(dropout=7)
+  grads, losses, rows = None, [], np.empty(ROWS, np.float32)
+  for i in range(k):
+    micro = jax.tree.map(lambda a, i=i: a[i::k], batch)
+    (value, pred), g = nnx.value_and_grad(mnist_loss, has_aux=True)(ref_model, micro, ref_rngs)
+    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+    losses.append(value)
+    rows[i::k] = pred.value
+  model, rngs = MnistLikeCNN(nnx.Rngs(0)), nnx.Rngs(dropout=7)
+  step = nnx.jit(fxaccum.value_and_grad(mnist_loss, has_aux=True, micro_batches=k))
+  (value, pred), got = step(model, batch, rngs)
+  np.testing.assert_allclose(value, sum(losses) / k, rtol=1e-5)
+  np.testing.assert_allclose(pred, rows, rtol=1e-5, atol=1e-6)
+  assert_tree_close(got, jax.tree.map(lambda g: g / k, grads))
+  assert_tree_close(state_of(model), state_of(ref_model))
+  assert int(rngs.dropout.count[...]) == int(ref_rngs.dropout.count[...]) == k
+
+
+def test_graph_node_in_the_batch_position_is_refused_with_the_fix():
+  """gemma's ``grad_fn(model, rngs.fork())`` closes over the batch: with fxaccum's default
+  batch_argnums=1 the Rngs is where the batch should be."""
+  model, batch = MnistLikeCNN(nnx.Rngs(0)), data(4)
+
+  def loss(model, rngs):
+    return jnp.mean((model(batch["x"], rngs) - batch["y"]) ** 2)
+
+  with pytest.raises(TypeError, match=r"argument 1 .*Rngs.*batch_argnums"):
+    fxaccum.value_and_grad(loss, micro_batches=2)(model, nnx.Rngs(dropout=1).fork())
+
+
+class Sower(nnx.Module):
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(DIM, 1, rngs=rngs)
+
+  def __call__(self, x):
+    y = self.lin(x)[..., 0]
+    self.sow(nnx.Intermediate, "mean", jnp.mean(y))
+    return y
+
+
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)':DeprecationWarning")
+def test_values_sown_before_the_call_are_kept_and_new_ones_appended():
+  """A module that already holds a sown value (it ran once) crashed in nnx.merge."""
+  batch, k = data(5), 2
+  ref, model = Sower(nnx.Rngs(0)), Sower(nnx.Rngs(0))
+  ref(batch["x"][:3])
+  model(batch["x"][:3])
+  grads = []
+  for i in range(k):
+    micro = jax.tree.map(lambda a, i=i: a[i::k], batch)
+    grads.append(nnx.grad(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))(ref, micro))
+  got = fxaccum.grad(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2), micro_batches=k)(
+      model, batch)
+  assert_tree_close(got, jax.tree.map(lambda *g: sum(g) / k, *grads))
+  want, have = ref.mean.get_value(), model.mean.get_value()
+  assert len(have) == len(want) == 1 + k
+  for a, b in zip(have, want, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
