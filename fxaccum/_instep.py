@@ -547,8 +547,9 @@ def _run(config: _Config, layout: sync.Layout, kwargs: dict, modules: _nnx.Modul
       except Exception as err:  # noqa: BLE001 - any failure to trace per device
         if config.view == "device":
           raise ValueError(
-              f"view='device' could not run the loss per device: {_first_line(err)}. Use "
-              "view='auto' (the default) or view='global'.") from err
+              f"view='device' could not run the loss per device: {_first_line(err)}. "
+              "(A loss that runs on the global micro-batch, with no collective over the "
+              "data axes, can take view='auto' or view='global' instead.)") from err
         path = dataclasses.replace(
             path, view="global",
             reason=f"the loss did not trace per device ({_first_line(err)})")
@@ -746,35 +747,45 @@ def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call)
 
   state = jax.tree.map(lambda x: conform(x, P()), call.state)
 
-  def local(diff_leaves, rest, arrays, state):
+  def local_call(diff_leaves, rest, arrays, state) -> _Call:
     leaves = list(kw_leaves)
     for i, array in zip(kw_arrays, arrays, strict=True):
       leaves[i] = array
-    local_call = _Call(diff_leaves, call.diff_def, rest, jax.tree.unflatten(kw_def, leaves),
-                       state, call.modules)
-    return _device_loop(config, layout, local_call)
+    return _Call(diff_leaves, call.diff_def, rest, jax.tree.unflatten(kw_def, leaves), state,
+                 call.modules)
 
+  def local(*args):
+    return _device_loop(config, layout, local_call(*args))
+
+  in_specs = (param_specs, rest_specs, [P()] * len(arrays), P())
   grad_specs = param_specs if config.reduce else (
       [batch_spec] * len(diff_leaves), batch_spec)  # per-device sums and weights
   # Aux sums are reduced (invariant); Concat rows stay with their device, like the batch.
   aux_specs: Any = P()
   if config.has_aux:
-    micro = jax.eval_shape(lambda b: split.micro_batch(b, 0, config.micro_batches),
-                           call.batch(config))
-    aux_shapes = jax.eval_shape(  # typed as the loss sees them per device
-        lambda d, m, s: call.loss(config, d, m, 0, s)[2],
-        *jax.tree.map(lambda x: _gathered(x, axes, batch=True),
-                      (call.diff_leaves, micro, call.state)))
-    aux_specs = jax.tree.map(lambda m: batch_spec if isinstance(m, Concat) else P(),
-                             aux_shapes, is_leaf=_is_marker)
+    found: dict[str, Any] = {}
+
+    def probe(*args):  # the aux's markers, traced where the loss runs (it may name the
+      local = local_call(*args)  # data axes in collectives)
+      micro = split.micro_batch(local.batch(config), 0, config.micro_batches)
+      full = [sync.gather(x, dims) for x, dims in zip(local.diff_leaves, layout.param_dims,
+                                                        strict=True)]
+      aux = local.loss(config, full, micro, 0, local.state)[2]
+      found["specs"] = jax.tree.map(lambda m: batch_spec if isinstance(m, Concat) else P(),
+                                    aux, is_leaf=_is_marker)
+      return ()
+
+    jax.eval_shape(sync.shard_map_keeping_axes(
+        probe, mesh=layout.mesh, in_specs=in_specs, out_specs=(), axis_names=set(axes)),
+        diff_leaves, rest, arrays, state)
+    aux_specs = found["specs"]
   if config.skip_nonfinite:
     aux_specs = (aux_specs, P()) if config.has_aux else P()
-  local = sync.shard_map_keeping_axes(
-      local, mesh=layout.mesh,
-      in_specs=(param_specs, rest_specs, [P()] * len(arrays), P()),
+  region = sync.shard_map_keeping_axes(
+      local, mesh=layout.mesh, in_specs=in_specs,
       out_specs=((P(), aux_specs), grad_specs, P()), axis_names=set(axes))
   with jax.named_scope(_view.record(path)):
-    value_aux, grad_leaves, after = local(diff_leaves, rest, arrays, state)
+    value_aux, grad_leaves, after = region(diff_leaves, rest, arrays, state)
   return value_aux, _package(config, call, grad_leaves), after
 
 

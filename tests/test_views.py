@@ -559,3 +559,39 @@ def test_device_view_aux_shapes_with_rng_argnums():
   assert paths[0].view == "device", paths
   (ref, ref_aux), ref_grads = jax.value_and_grad(loss, has_aux=True)(w, x, jax.random.key(0))
   assert_tree_close((value, aux, grads), (ref, ref_aux, ref_grads))
+
+
+def test_device_view_with_a_collective_and_aux():
+  """The sync-BatchNorm route with has_aux: the aux's layout is found where the loss runs
+  (inside the region manual over the data axes), not by a trace outside it where "data"
+  is unbound (before: NameError, then a message pointing back to view='auto')."""
+  rng = np.random.default_rng(8)
+  batch = {"x": rng.normal(size=(ROWS, DIM)).astype(np.float32),
+           "y": rng.normal(size=(ROWS,)).astype(np.float32)}
+  variables = SyncBatchNormMLP().init(jax.random.key(0), batch["x"])
+
+  def make_loss(model):
+    def loss(params, batch):
+      out, _ = model.apply({"params": params, "batch_stats": variables["batch_stats"]},
+                           batch["x"], mutable=["batch_stats"])
+      return jnp.mean((out - batch["y"]) ** 2), {"pred": fxaccum.Concat(out),
+                                                  "mean_pred": jnp.mean(out)}
+    return loss
+
+  synced, plain = make_loss(SyncBatchNormMLP("data")), make_loss(SyncBatchNormMLP())
+  k = 2
+  parts = [jax.value_and_grad(plain, has_aux=True)(
+      variables["params"], jax.tree.map(lambda a, i=i: a[i::k], batch)) for i in range(k)]
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  with jax.set_mesh(mesh):
+    sharded = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), batch)
+    (value, aux), grads = jax.jit(fxaccum.value_and_grad(
+        synced, has_aux=True, micro_batches=k, view="device"))(variables["params"], sharded)
+  np.testing.assert_allclose(value, sum(p[0][0] for p in parts) / k, rtol=1e-5)
+  assert_tree_close(grads, jax.tree.map(lambda *g: sum(g) / k, *(p[1] for p in parts)))
+  rows = np.empty(ROWS, np.float32)
+  for i, p in enumerate(parts):
+    rows[i::k] = p[0][1]["pred"].value
+  np.testing.assert_allclose(aux["pred"], rows, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(aux["mean_pred"],
+                             sum(p[0][1]["mean_pred"] for p in parts) / k, rtol=1e-5)
