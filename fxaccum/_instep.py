@@ -1001,7 +1001,7 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
   total_axes, (weight_axes, aux_axes, _, _) = jax.tree.unflatten(
       out_def, _summed_over(closed, axes, batch, presummed))
   markers = jax.tree.leaves(aux_avals, is_leaf=_is_marker)
-  _warn_batch_shaped(markers, jax.tree.leaves(batch)[0].shape[0] // k)
+  _warn_batch_shaped(config, call, whole, gather_dims, markers)
   total = acc.summed(total_aval, _ordered(axes, total_axes),
                      jnp.promote_types(total_aval.dtype, jnp.float32))
   weight = acc.summed(weight_aval, _ordered(axes, weight_axes))
@@ -1097,11 +1097,36 @@ def _ordered(axes: tuple[str, ...], subset: frozenset[str]) -> tuple[str, ...]:
   return tuple(a for a in axes if a in subset)
 
 
-def _warn_batch_shaped(markers: list[Any], rows: int) -> None:
+def _warn_batch_shaped(config: _Config, call: _Call, whole: list[Any],
+                       gather_dims: Sequence[sync.DataDims], markers: list[Any]) -> None:
+  """Warns about plain aux leaves that hold one value per example: averaged over the
+  micro-batches, they would come back as one averaged micro-batch. A leaf only shaped
+  like that (e.g. 8 BatchNorm channels, 8 rows) is checked against the loss's jaxpr."""
+  micro = jax.eval_shape(lambda b: split.micro_batch(b, 0, config.micro_batches),
+                         call.batch(config))
+  rows = jax.tree.leaves(micro)[0].shape[0]
+  if rows < 2 or not any(not _is_marker(m) and m.shape[:1] == (rows,) for m in markers):
+    return
+
+  def aux_leaves(leaves, micro, state):
+    full = [sync.gather(leaf, dims) for leaf, dims in zip(leaves, gather_dims, strict=True)]
+    return jax.tree.leaves(call.loss(config, full, micro, 0, state)[2])
+
+  try:
+    closed = jax.make_jaxpr(aux_leaves)(whole, micro, call.state)
+    kinds = _analysis.analyze(closed, rows=rows, batch_inputs=range(
+        len(whole), len(whole) + len(jax.tree.leaves(micro))), param_inputs=()).outputs
+  except Exception:  # noqa: BLE001 - no jaxpr to read: go by the shape
+    kinds = None
+  position = 0
   for marker in markers:
-    if not _is_marker(marker) and marker.shape[:1] == (rows,) and rows > 1:
+    kind = kinds[position] if kinds is not None else None
+    position += len(jax.tree.leaves(marker))
+    per_example = kind is None or (isinstance(kind, _analysis.Rows) and kind.dim == 0)
+    if not _is_marker(marker) and marker.shape[:1] == (rows,) and per_example:
       warnings.warn(
-          f"An aux output of shape {tuple(marker.shape)} has the micro-batch's {rows} rows "
-          "on axis 0: plain aux leaves are averaged over the micro-batches, so per-example "
-          "values would come back as one averaged micro-batch. Wrap per-example outputs in "
-          "fxaccum.Concat(...) to get them for the whole batch, in order.", stacklevel=4)
+          f"An aux output of shape {tuple(marker.shape)} holds one value per example of "
+          "the micro-batch: plain aux leaves are averaged over the micro-batches, so "
+          "per-example values would come back as one averaged micro-batch. Wrap "
+          "per-example outputs in fxaccum.Concat(...) to get them for the whole batch, "
+          "in order.", stacklevel=4)

@@ -306,3 +306,25 @@ def test_values_sown_before_the_call_are_kept_and_new_ones_appended():
   assert len(have) == len(want) == 1 + k
   for a, b in zip(have, want, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_aux_shaped_like_the_rows_but_not_per_example_does_not_warn():
+  """8 channel statistics beside a micro-batch of 8 rows (imagenet's BatchNorm means at
+  k=4): no Concat warning; a per-example leaf of the same shape still gets one."""
+  x = np.arange(32 * 8, dtype=np.float32).reshape(32, 8) / 100
+
+  def loss(w, x):
+    h = x * w
+    return jnp.mean(h), {"channel_means": jnp.mean(h, axis=0)}
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    (_, aux), _ = fxaccum.value_and_grad(loss, has_aux=True, micro_batches=4)(
+        jnp.ones(8), x)
+  np.testing.assert_allclose(aux["channel_means"], np.mean(x, axis=0), rtol=1e-6)
+
+  def per_example(w, x):
+    return jnp.mean(x * w), {"row_means": jnp.mean(x * w, axis=1)}
+
+  with pytest.warns(UserWarning, match="one value per example.*fxaccum.Concat"):
+    fxaccum.value_and_grad(per_example, has_aux=True, micro_batches=4)(jnp.ones(8), x)
