@@ -6,7 +6,7 @@ from fxaccum._instep import grad, value_and_grad
 from fxaccum._pipeline import pipeline
 from fxaccum._sync import Unreduced
 from fxaccum._transform import AccumulateState, accumulate, apply_gradients, is_boundary
-from fxaccum._weighted import Concat, Sum, Weighted
+from fxaccum._weighted import Concat, State, Sum, Weighted
 
 __version__ = "0.1.0"
 
@@ -14,6 +14,7 @@ __all__ = [
     "AccumulateState",
     "Concat",
     "Optimizer",
+    "State",
     "Sum",
     "TrainState",
     "Unreduced",

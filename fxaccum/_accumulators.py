@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from fxaccum import _sync as sync
-from fxaccum._weighted import Concat, Sum, Weighted, safe_divide, weight_dtype
+from fxaccum._weighted import Concat, State, Sum, Weighted, safe_divide, weight_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +100,10 @@ def for_aux(marker: Any, axes: Any, micro_batches: int) -> Accumulator:
                        lambda carry, value, index, weight: Sum(
                            total.update(carry.value, value.value, index, weight)),
                        lambda carry, weight: total.finalize(carry.value, weight))
+  if isinstance(marker, State):  # the last micro-batch's value
+    return Accumulator(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), marker.value),
+                       lambda carry, value, index, weight: value.value,
+                       lambda carry, weight: carry)
   if isinstance(marker, Concat):
     rows = concatenated(marker.value, micro_batches)
     return dataclasses.replace(rows, update=lambda carry, value, index, weight: rows.update(

@@ -33,7 +33,7 @@ from fxaccum import _accumulators as acc
 from fxaccum import _analysis, _nnx, _view
 from fxaccum import _split as split
 from fxaccum import _sync as sync
-from fxaccum._weighted import Concat, Sum, Weighted, safe_divide, weight_dtype
+from fxaccum._weighted import Concat, State, Sum, Weighted, safe_divide, weight_dtype
 
 __all__ = ["value_and_grad", "grad"]
 
@@ -52,6 +52,7 @@ class _Options(TypedDict, total=False):
   data_axes: str | Sequence[str] | None
   accum_dtype: Any
   rng_argnums: int | Sequence[int]
+  state_argnums: int | Sequence[int]
   fsdp_reduce: FsdpReduce
   reduce: bool
   view: _view.View
@@ -89,6 +90,7 @@ def value_and_grad(
     data_axes: str | Sequence[str] | None = None,
     accum_dtype: Any = jnp.float32,
     rng_argnums: int | Sequence[int] = (),
+    state_argnums: int | Sequence[int] = (),
     fsdp_reduce: FsdpReduce = "per_micro_batch",
     reduce: bool = True,
     view: _view.View = "auto",
@@ -155,6 +157,11 @@ def value_and_grad(
       params). Loss totals are always summed in at least float32, weights in int32 or
       float32.
     rng_argnums: positional argument(s) holding PRNG keys to fold per micro-batch.
+    state_argnums: positional argument(s) threaded through the micro-batches, e.g. flax
+      linen's ``batch_stats``: the loss returns each one's new value as an
+      :class:`fxaccum.State` in its aux (``has_aux=True``), micro-batch ``i + 1`` receives
+      the value micro-batch ``i`` returned, and the aux holds the last one. (Without it, a
+      plain aux leaf is averaged over the micro-batches.)
     fsdp_reduce: for params sharded over a data axis: ``"per_micro_batch"`` (default) or
       ``"per_step"``.
     reduce: ``False`` defers the data-axis reduction to a cross-step gate: the gradients
@@ -205,6 +212,7 @@ def value_and_grad(
   config = _make_config(
       fun, argnums, has_aux, micro_batches=micro_batches, batch_argnums=batch_argnums,
       data_axes=data_axes, accum_dtype=accum_dtype, rng_argnums=rng_argnums,
+      state_argnums=state_argnums,
       fsdp_reduce=fsdp_reduce, reduce=reduce, view=view, param_shardings=param_shardings,
       skip_nonfinite=skip_nonfinite, loss_reduction=loss_reduction)
   compiled: dict[Any, Callable[..., Any]] = {}  # one jitted program per layout (eager calls)
@@ -250,7 +258,8 @@ def grad(
 
 
 def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, data_axes,
-                 accum_dtype, rng_argnums, fsdp_reduce, reduce, view, param_shardings,
+                 accum_dtype, rng_argnums, state_argnums, fsdp_reduce, reduce, view,
+                 param_shardings,
                  skip_nonfinite, loss_reduction) -> _Config:
   """Validates ``value_and_grad``'s arguments (all static) into a :class:`_Config`."""
   micro_batches = split.check_micro_batches(micro_batches)
@@ -258,7 +267,9 @@ def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, data_ax
   diff_argnums = split.as_argnums(argnums, "argnums")
   batch_argnums_t = split.as_argnums(batch_argnums, "batch_argnums")
   rng_argnums_t = split.as_argnums(rng_argnums, "rng_argnums")
-  for name, other in (("batch_argnums", batch_argnums_t), ("rng_argnums", rng_argnums_t)):
+  state_argnums_t = split.as_argnums(state_argnums, "state_argnums")
+  for name, other in (("batch_argnums", batch_argnums_t), ("rng_argnums", rng_argnums_t),
+                      ("state_argnums", state_argnums_t)):
     overlap = set(diff_argnums) & set(other)
     if overlap:
       raise ValueError(
@@ -271,6 +282,15 @@ def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, data_ax
         f"{sorted(set(batch_argnums_t) & set(rng_argnums_t))}; keys in the batch are already "
         "split per micro-batch, so leave them out of rng_argnums."
     )
+  taken = set(batch_argnums_t) | set(rng_argnums_t)
+  if set(state_argnums_t) & taken:
+    raise ValueError(
+        f"state_argnums {state_argnums_t} overlaps batch_argnums or rng_argnums: a threaded "
+        "argument is neither split nor folded. Name each argument in one of them.")
+  if state_argnums_t and not has_aux:
+    raise ValueError(
+        "state_argnums needs has_aux=True: the loss returns each threaded argument's new "
+        "value in its aux, as fxaccum.State(new_value).")
   choices = (("fsdp_reduce", fsdp_reduce, ("per_micro_batch", "per_step")),
              ("view", view, ("auto", "global", "device")),
              ("loss_reduction", loss_reduction, ("mean", "sum")))
@@ -290,7 +310,8 @@ def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, data_ax
   return _Config(
       fun=fun, has_aux=has_aux, micro_batches=micro_batches, diff_argnums=diff_argnums,
       single_argnum=single_argnum, filters=filters, batch_argnums=batch_argnums_t,
-      rng_argnums=rng_argnums_t, data_axes=None if data_axes is None else _as_axes(data_axes),
+      rng_argnums=rng_argnums_t, state_argnums=state_argnums_t,
+      data_axes=None if data_axes is None else _as_axes(data_axes),
       param_shardings=param_shardings, accum_dtype=accum_dtype, fsdp_reduce=fsdp_reduce,
       reduce=bool(reduce), view=view, skip_nonfinite=bool(skip_nonfinite),
       loss_reduction=loss_reduction)
@@ -298,16 +319,20 @@ def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, data_ax
 
 def _call(config: _Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> Any:
   """One call of the function ``value_and_grad`` returned."""
-  highest = max((*config.diff_argnums, *config.batch_argnums, *config.rng_argnums))
+  highest = max((*config.diff_argnums, *config.batch_argnums, *config.rng_argnums,
+                 *config.state_argnums))
   if highest >= len(args):
     raise TypeError(
         f"{getattr(config.fun, '__name__', 'fun')} was called with {len(args)} positional "
-        f"arguments, but argnums/batch_argnums/rng_argnums refer to argument {highest}. "
+        f"arguments, but argnums/batch_argnums/rng_argnums/state_argnums refer to "
+        f"argument {highest}. "
         "Pass the params and the batch positionally."
     )
   module_args = args
   _check_graph_nodes(args, config)
   args, state, sown, modules = _nnx.Modules.split(args, config.diff_argnums, config.filters)
+  # Threaded: the NNX graph nodes' state, and the arguments at state_argnums.
+  state = (state, tuple(args[i] for i in config.state_argnums))
   diff = [args[i] for i in config.diff_argnums]
   batch = [args[i] for i in config.batch_argnums]
   other = [a for i, a in enumerate(args)
@@ -347,7 +372,7 @@ def _call(config: _Config, compiled: dict, args: Sequence[Any], kwargs: dict) ->
       jitted = jax.jit(run)
     out, (state, new_sown) = jitted((args, state), kw_arrays)
   if modules is not None:  # as nnx.value_and_grad does: the modules' state, in place
-    modules.update(module_args, state, sown, new_sown)
+    modules.update(module_args, state[0], sown, new_sown)
   return out
 
 
@@ -355,7 +380,8 @@ def _check_graph_nodes(args: Sequence[Any], config: _Config) -> None:
   """NNX graph nodes (modules, ``nnx.Rngs``, Variables) are threaded through the
   micro-batches like module state: one cannot be the batch, nor a key to fold."""
   for name, argnums in (("batch_argnums", config.batch_argnums),
-                        ("rng_argnums", config.rng_argnums)):
+                        ("rng_argnums", config.rng_argnums),
+                        ("state_argnums", config.state_argnums)):
     for i in argnums:
       if nnx.graph.is_graph_node(args[i]):
         raise TypeError(
@@ -392,6 +418,7 @@ class _Config:
   filters: dict[int, Any]
   batch_argnums: tuple[int, ...]
   rng_argnums: tuple[int, ...]
+  state_argnums: tuple[int, ...]
   data_axes: tuple[str, ...] | None  # None: inferred per call
   param_shardings: tuple[Any, ...] | None  # one tree per differentiated argument
   accum_dtype: Any
@@ -406,15 +433,16 @@ class _Config:
 class _Call:
   """One traced call: the differentiated leaves and everything else ``fun`` receives.
 
-  ``state`` is the threaded state of NNX module arguments (``()`` without modules): each
-  micro-batch's call takes the state the previous one left.
+  ``state`` is what is threaded through the micro-batches: ``(the NNX graph nodes' state
+  (() without them), the values of the arguments at state_argnums)``. Each micro-batch's
+  call takes the state the previous one left.
   """
 
   diff_leaves: list[Any]
   diff_def: Any
   rest: tuple[Any, ...]  # the positional args, None at the differentiated ones
   kwargs: dict[str, Any]
-  state: Any = ()
+  state: Any = ((), ())
   modules: _nnx.Modules | None = None
 
   def batch(self, config: _Config) -> dict[int, Any]:
@@ -431,13 +459,17 @@ class _Call:
     values = jax.tree.unflatten(self.diff_def, diff_leaves)
     for i, value in zip(config.diff_argnums, values, strict=True):
       call_args[i] = value
+    module_state, threaded = state
+    for i, value in zip(config.state_argnums, threaded, strict=True):
+      call_args[i] = value
     after = None
     if self.modules is not None:
-      call_args, after = self.modules.merged(call_args, state)
+      call_args, after = self.modules.merged(call_args, module_state)
     with jax.named_scope("fxaccum_compute"):
       out = config.fun(*call_args, **self.kwargs)
-    state, sown = after() if after is not None else ((), ())
+    module_state, sown = after() if after is not None else ((), ())
     loss, aux = _split_output(out, config.has_aux)
+    state = (module_state, _threaded(aux, threaded, config))
     if config.loss_reduction == "sum" and isinstance(loss, Weighted):
       raise TypeError(
           "loss_reduction='sum' adds up the loss as returned, but the loss returned "
@@ -476,6 +508,35 @@ def _check_differentiable(diff: Sequence[Any], diff_argnums: tuple[int, ...]) ->
             "differentiated, its other state threaded through), or integer state in "
             "another argument."
         )
+
+
+def _threaded(aux: Any, threaded: tuple[Any, ...], config: _Config) -> tuple[Any, ...]:
+  """The new values of the arguments at ``state_argnums``: the ``State`` markers of
+  ``aux``, in order, each like the value it replaces (``threaded``)."""
+  states = [m for m in jax.tree.leaves(aux, is_leaf=_is_marker) if isinstance(m, State)]
+  if len(states) != len(config.state_argnums):
+    raise TypeError(
+        f"state_argnums={config.state_argnums} threads {len(config.state_argnums)} "
+        f"argument(s), but the loss's aux holds {len(states)} fxaccum.State marker(s): "
+        "return each threaded argument's new value as fxaccum.State(new_value) in the aux, "
+        "in the order of state_argnums.")
+  for i, old, new in zip(config.state_argnums, threaded, states, strict=True):
+    want, got = jax.eval_shape(lambda t: t, old), jax.eval_shape(lambda t: t, new.value)
+    same = str(jax.tree.structure(want)) == str(jax.tree.structure(got)) and all(
+        (a.shape, a.dtype) == (b.shape, b.dtype)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True))
+    if not same:
+      raise TypeError(
+          f"The fxaccum.State for argument {i} ({_summary(got)}) does not match the "
+          f"argument ({_summary(want)}): the next micro-batch receives it in the "
+          "argument's place, so it must have the argument's tree, shapes and dtypes.")
+  return tuple(s.value for s in states)
+
+
+def _summary(tree: Any) -> str:
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0][:3]
+  return ", ".join(f"{jax.tree_util.keystr(p) or 'value'}: {x.dtype}{list(x.shape)}"
+                   for p, x in leaves) or "no arrays"
 
 
 def _split_output(out: Any, has_aux: bool) -> tuple[Any, Any]:
@@ -582,6 +643,12 @@ def _decide(config: _Config, layout: sync.Layout, call: _Call) -> tuple[
       blockers = [*analysis.blockers,
                   *([layout.device_blocker] if layout.device_blocker else [])]
       if config.view == "device":
+        if config.state_argnums:
+          raise ValueError(
+              "view='device' with state_argnums: each device would thread its own state "
+              "through its rows, so the returned state would be per device. Use "
+              "view='auto' (the default) or view='global' to thread one state through the "
+              "global micro-batches.")
         if blockers:
           raise ValueError(
               f"view='device' cannot run this loss per device: {blockers[0]}. Use "
@@ -696,9 +763,13 @@ def _roles(closed: Any, aux: Any, state: Any, sown: Any, n_diff: int,
   """The role of each output of a traced micro-step (see :func:`_analyses`)."""
   roles: list[_view.Role] = ["total", "weight"]
   for marker in jax.tree.leaves(aux, is_leaf=_is_marker):
-    marker_roles: dict[type, list[_view.Role]] = {
-        Weighted: ["aux_total", "aux_weight"], Sum: ["aux_sum"], Concat: ["aux_concat"]}
-    roles.extend(marker_roles.get(type(marker), ["aux"]))
+    if isinstance(marker, Weighted):
+      roles.extend(["aux_total", "aux_weight"])
+      continue
+    by_marker: dict[type, _view.Role] = {Sum: "aux_sum", Concat: "aux_concat",
+                                         State: "state"}
+    role = by_marker.get(type(marker), "aux")
+    roles.extend([role] * len(jax.tree.leaves(marker)))
   # Threaded module state must pass through unchanged for the per-device view.
   state_in = closed.jaxpr.invars[n_diff + n_micro:]
   state_out = closed.jaxpr.outvars[len(roles):len(roles) + len(jax.tree.leaves(state))]
@@ -1023,6 +1094,8 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
                                                              for g in grad_values]))
       values, state = _drop_unless(good, values, state, old_state)
       loss_weight = values[2]
+    threaded = iter(state[1])  # a State aux is the threaded value the loop carries on
+    values[3] = [State(next(threaded)) if isinstance(m, State) else m for m in values[3]]
     carry = (sums.update(sums_carry, values, index, loss_weight), state)
     return _retyped(carry, like=init, axes=axes), sown
 
@@ -1090,7 +1163,7 @@ def _drop_unless(good: jax.Array, values: list[Any], state: Any,
 
 
 def _is_marker(x: Any) -> bool:
-  return isinstance(x, (Weighted, Sum, Concat))
+  return isinstance(x, (Weighted, Sum, Concat, State))
 
 
 def _ordered(axes: tuple[str, ...], subset: frozenset[str]) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Concat", "Sum", "Weighted", "safe_divide", "weight_dtype"]
+__all__ = ["Concat", "State", "Sum", "Weighted", "safe_divide", "weight_dtype"]
 
 
 @jax.tree_util.register_dataclass
@@ -101,6 +101,31 @@ class Concat:
     ...     jnp.ones(1), x)
     >>> rows   # all 6 rows, in the batch's order
     Array([0., 1., 2., 3., 4., 5.], dtype=float32)
+  """
+
+  value: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class State:
+  """The new value of a threaded argument (``state_argnums``), returned in the aux: e.g.
+  flax linen's updated ``batch_stats``. Micro-batch ``i + 1`` receives what micro-batch
+  ``i`` returned, as calling the loss on the micro-batches one after another would, and
+  the aux holds the last micro-batch's value (unwrapped) in the marker's place.
+
+  Attributes:
+    value: the argument's new value (same tree, shapes and dtypes as the argument).
+
+  Example:
+    >>> import jax.numpy as jnp, fxaccum
+    >>> def loss(w, count, x):   # count: how many examples the loss has seen
+    ...   return jnp.mean(x * w), fxaccum.State(count + x.shape[0])
+    >>> (value, count), _ = fxaccum.value_and_grad(
+    ...     loss, has_aux=True, micro_batches=4, batch_argnums=2, state_argnums=1)(
+    ...     jnp.ones(1), jnp.int32(0), jnp.ones((8, 1)))
+    >>> count   # threaded through 4 micro-batches of 2 rows
+    Array(8, dtype=int32)
   """
 
   value: Any

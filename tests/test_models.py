@@ -235,3 +235,90 @@ def test_sgd_and_adam_steps_match_large_batch(k):
     # gradient coordinate moves its update by a fraction of lr: each update agrees to 1% of lr.
     for got, want in zip(*(jax.tree.leaves(states[n]) for n in ("ours", "theirs")), strict=True):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-2 * lr * steps)
+
+
+class ConvBatchNorm(nn.Module):
+  """imagenet's ResNet in small: a convolution and BatchNorm in train mode."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Conv(8, (3, 3), use_bias=False)(x)
+    x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+    return nn.Dense(4)(jnp.mean(x, axis=(1, 2)))
+
+
+def imagenet_data(rows=32, seed=0):
+  rng = np.random.default_rng(seed)
+  return {"image": rng.normal(size=(rows, 6, 6, 3)).astype(np.float32),
+          "label": rng.integers(0, 4, size=rows).astype(np.int32)}
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_linen_batch_stats_threaded_in_order_with_state_argnums(k):
+  """imagenet's train_step with in-step accumulation: ``batch_stats`` threaded through the
+  micro-batches in order (the NNX semantics), as jax.value_and_grad called on the global
+  micro-batches one after another gives; the default averages them instead."""
+  model, batch = ConvBatchNorm(), imagenet_data()
+  variables = model.init(jax.random.key(0), batch["image"][:2])
+
+  def loss_fn(params, batch_stats, batch):
+    logits, new_model_state = model.apply({"params": params, "batch_stats": batch_stats},
+                                          batch["image"], mutable=["batch_stats"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, (fxaccum.State(new_model_state["batch_stats"]), fxaccum.Concat(logits))
+
+  stats, grads, losses, rows = variables["batch_stats"], [], [], []
+  for i in range(k):
+    micro = jax.tree.map(lambda a, i=i: a[i::k], batch)
+    (loss, (new_stats, logits)), g = jax.value_and_grad(loss_fn, has_aux=True)(
+        variables["params"], stats, micro)
+    stats = new_stats.value
+    grads.append(g)
+    losses.append(loss)
+    rows.append(logits.value)
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  step = jax.jit(fxaccum.value_and_grad(loss_fn, has_aux=True, micro_batches=k,
+                                        batch_argnums=2, state_argnums=1))
+  with jax.set_mesh(mesh):
+    sharded = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), batch)
+    (loss, (got_stats, logits)), got = step(variables["params"], variables["batch_stats"],
+                                           sharded)
+    (path,) = diagnostics.paths(step, variables["params"], variables["batch_stats"], sharded)
+  assert path.view == "global"
+  np.testing.assert_allclose(loss, sum(losses) / k, rtol=1e-5)
+  assert_tree_close(got, jax.tree.map(lambda *g: sum(g) / k, *grads))
+  assert_tree_close(got_stats, stats)
+  want_rows = np.empty_like(np.asarray(logits))
+  for i, r in enumerate(rows):
+    want_rows[i::k] = r
+  np.testing.assert_allclose(logits, want_rows, rtol=1e-5, atol=1e-6)
+  if k > 1:  # negative control: averaging the micro-batches' statistics is another thing
+    averaged = fxaccum.value_and_grad(lambda p, s, b: (loss_fn(p, s, b)[0], loss_fn(
+        p, s, b)[1][0].value), has_aux=True, micro_batches=k, batch_argnums=2)(
+            variables["params"], variables["batch_stats"], batch)[0][1]
+    assert not np.allclose(jax.tree.leaves(averaged)[0], jax.tree.leaves(stats)[0], rtol=1e-3)
+
+
+def test_state_argnums_errors_name_the_fix():
+  def loss(w, count, x):
+    return jnp.mean(x * w), count + 1
+
+  x = jnp.ones((8, 1))
+  with pytest.raises(ValueError, match="needs has_aux=True"):
+    fxaccum.value_and_grad(loss, micro_batches=2, batch_argnums=2, state_argnums=1)
+  with pytest.raises(TypeError, match="holds 0 fxaccum.State"):
+    fxaccum.value_and_grad(loss, has_aux=True, micro_batches=2, batch_argnums=2,
+                           state_argnums=1)(jnp.ones(1), jnp.int32(0), x)
+  with pytest.raises(TypeError, match="does not match the argument"):
+    fxaccum.value_and_grad(
+        lambda w, c, x: (jnp.mean(x * w), fxaccum.State(c + 1.0)), has_aux=True,
+        micro_batches=2, batch_argnums=2, state_argnums=1)(jnp.ones(1), jnp.int32(0), x)
+  with pytest.raises(ValueError, match="overlaps batch_argnums"):
+    fxaccum.value_and_grad(loss, has_aux=True, micro_batches=2, state_argnums=1)
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="view='device' with state_argnums"):
+    jax.jit(fxaccum.value_and_grad(
+        lambda w, c, x: (jnp.mean(x * w), fxaccum.State(c + 1)), has_aux=True,
+        micro_batches=2, batch_argnums=2, state_argnums=1, view="device"))(
+            jnp.ones(1), jnp.int32(0), jax.device_put(jnp.ones((32, 1)),
+                                                      NamedSharding(mesh, P("data"))))
