@@ -31,8 +31,8 @@ class TrainState(train_state.TrainState):
     >>> tx = optax.chain(fxaccum.accumulate(2), optax.sgd(0.5))
     >>> state = fxaccum.TrainState.create(apply_fn=None, params=jnp.zeros(1), tx=tx)
     >>> state = state.apply_gradients(grads=jnp.array([2.0]), weight=3)
-    >>> int(state.step), int(state.micro_step)
-    (0, 1)
+    >>> int(state.step), int(state.micro_step), int(state.calls)
+    (0, 1, 1)
     >>> state = state.apply_gradients(grads=jnp.array([6.0]), weight=1)  # mean: 3
     >>> state.params, int(state.step), int(state.micro_step)
     (Array([-1.5], dtype=float32), 1, 0)
@@ -55,6 +55,13 @@ class TrainState(train_state.TrainState):
   def micro_step(self) -> jax.Array:
     """Calls accumulated in the current window (0 right after an optimizer step)."""
     return transform.find_state(self.opt_state).micro_step
+
+  @property
+  def calls(self) -> jax.Array:
+    """Calls of :meth:`apply_gradients` so far: a micro-step counter that never repeats,
+    e.g. ``jax.random.fold_in(key, state.calls)`` for this call's dropout (``step``
+    repeats within a window)."""
+    return transform.find_state(self.opt_state).calls
 
 
 class Optimizer(nnx.Optimizer):
@@ -106,3 +113,8 @@ class Optimizer(nnx.Optimizer):
   def micro_step(self) -> jax.Array:
     """Calls accumulated in the current window (0 right after an optimizer step)."""
     return transform.find_state(nnx.as_pure(self.opt_state)).micro_step
+
+  @property
+  def calls(self) -> jax.Array:
+    """Calls of :meth:`update` so far: a micro-step counter that never repeats."""
+    return transform.find_state(nnx.as_pure(self.opt_state)).calls

@@ -57,6 +57,9 @@ class AccumulateState(NamedTuple):
       device (sharded over those axes, so one gradient copy per device).
     weight: float32, the window's summed weight (per device with ``data_axes``).
     skipped: int32, calls dropped for non-finite gradients (``skip_nonfinite``), in total.
+    calls: int32, gate calls so far, every one (skipped ones too): a micro-step counter
+      that never repeats, e.g. for a per-call PRNG key ``jax.random.fold_in(key, calls)``
+      (``optimizer_step`` repeats within a window).
 
   Example:
     >>> import jax.numpy as jnp, optax, fxaccum
@@ -67,6 +70,8 @@ class AccumulateState(NamedTuple):
     >>> acc = opt_state[0]   # the AccumulateState: the chain's first element's state
     >>> int(acc.micro_step), int(acc.optimizer_step), acc.accumulator["w"], float(acc.weight)
     (1, 0, Array([1., 1.], dtype=float32), 1.0)
+    >>> int(acc.calls)   # every call, for per-call randomness
+    1
   """
 
   micro_step: jax.Array
@@ -74,6 +79,7 @@ class AccumulateState(NamedTuple):
   accumulator: Any
   weight: jax.Array
   skipped: jax.Array
+  calls: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +199,7 @@ def accumulate(
         accumulator=accumulator,
         weight=weight,
         skipped=jnp.zeros((), jnp.int32),
+        calls=jnp.zeros((), jnp.int32),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -478,6 +485,7 @@ def _add(config: _Config, state: AccumulateState, grads: Any, weight: Any,
       accumulator=jax.tree.map(jnp.add, state.accumulator, added),
       weight=state.weight + weight,
       skipped=skipped,
+      calls=state.calls + 1,
   )
 
 

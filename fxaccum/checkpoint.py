@@ -46,8 +46,9 @@ from fxaccum import _transform as transform
 
 __all__ = ["SCHEMA_VERSION", "save", "restore", "CheckpointMismatchError"]
 
-#: Version of the saved layout; bumped when AccumulateState or the items change.
-SCHEMA_VERSION = 1
+#: Version of the saved layout; bumped when AccumulateState or the items change
+#: (2: ``AccumulateState.calls``; a TrainState saves every pytree field).
+SCHEMA_VERSION = 2
 _STATE, _META, _PER_DEVICE = "state", "fxaccum", "fxaccum_per_device"
 
 
@@ -412,7 +413,7 @@ def _abstract(tree: Any, params: Any, mesh: Any) -> Any:
         acc = jax.tree.map(leaf, acc)
       return x._replace(accumulator=acc, **{f: leaf(getattr(x, f)) for f in
                                             ("micro_step", "optimizer_step", "weight",
-                                             "skipped")})
+                                             "skipped", "calls")})
     return leaf(x)
 
   return jax.tree.map(node, tree, is_leaf=lambda x: isinstance(x, transform.AccumulateState))

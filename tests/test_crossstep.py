@@ -343,3 +343,20 @@ def test_nnx_scan_over_calls_matches_a_loop():
     nnx.jit(one_call)(ref_model, ref_opt, x[call], y[call])
   assert int(opt.step[...]) == int(ref_opt.step[...]) == 2
   assert_tree_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param), rtol=1e-6)
+
+
+def test_calls_counts_every_call_for_per_call_randomness():
+  """``state.step`` counts optimizer steps, so fold_in(key, step) repeats within a window
+  (the negative control); ``state.calls`` gives every call its own key, skipped calls too."""
+  tx = optax.chain(fxaccum.accumulate(4, skip_nonfinite=True), optax.sgd(0.1))
+  state = fxaccum.TrainState.create(apply_fn=None, params=jnp.zeros(2), tx=tx)
+  key = jax.random.key(0)
+  by_step, by_calls = set(), set()
+  for call in range(8):
+    by_step.add(tuple(np.asarray(jax.random.key_data(jax.random.fold_in(key, state.step)))))
+    by_calls.add(tuple(np.asarray(jax.random.key_data(jax.random.fold_in(key, state.calls)))))
+    grad = jnp.full(2, jnp.nan) if call == 5 else jnp.ones(2)
+    state = state.apply_gradients(grads=grad)
+  assert len(by_calls) == 8 and len(by_step) == 2
+  assert int(state.calls) == 8 and int(state.step) == 1 and int(state.micro_step) == 3
+  assert int(state.opt_state[0].skipped) == 1
