@@ -1,6 +1,7 @@
 """fxaccum: exact, communication-optimal, memory-flat gradient accumulation for JAX."""
 
 from fxaccum import checkpoint, diagnostics
+from fxaccum._dynamic_scale import DynamicScale
 from fxaccum._flax import Optimizer, TrainState
 from fxaccum._instep import grad, value_and_grad
 from fxaccum._pipeline import pipeline
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccumulateState",
     "Concat",
+    "DynamicScale",
     "Optimizer",
     "State",
     "Sum",

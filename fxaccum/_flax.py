@@ -11,10 +11,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.training import dynamic_scale as dynamic_scale_lib
 from flax.training import train_state
 
 from fxaccum import _sync as sync
 from fxaccum import _transform as transform
+from fxaccum._dynamic_scale import updated
 
 __all__ = ["TrainState", "Optimizer"]
 
@@ -41,13 +43,26 @@ class TrainState(train_state.TrainState):
   def apply_gradients(self, *, grads: Any, weight: Any = None, **kwargs: Any) -> TrainState:
     """Accumulates ``grads`` (with ``weight``, default 1); steps on a window's last call.
 
+    A subclass with a ``dynamic_scale`` field (flax's ``DynamicScale``, as flax's imagenet
+    and wmt trainers have) gets fp16 loss scaling per optimizer step: pass each call's
+    unscaled gradient (e.g. from ``state.dynamic_scale.value_and_grad``, whose own new
+    scale is left unused); the window's mean gradient is checked once, a non-finite one
+    ends the window without an optimizer step, and the scale is updated once per window.
+
     Args:
       grads: this call's gradient, or ``fxaccum.Unreduced``.
       weight: this call's weight, e.g. its valid-token count.
       **kwargs: dataclass fields to ``.replace()``, as in flax's TrainState.
     """
-    params, opt_state, boundary = transform.gate(
-        self.tx, grads, self.opt_state, self.params, weight=weight)
+    scale = getattr(self, "dynamic_scale", None)
+    if "dynamic_scale" in kwargs or not isinstance(scale, dynamic_scale_lib.DynamicScale):
+      scale = None
+    params, opt_state, boundary, finite = transform.gate(
+        self.tx, grads, self.opt_state, self.params, weight=weight,
+        check_finite=scale is not None)
+    if scale is not None:  # once per window, on the window's gradient
+      kwargs["dynamic_scale"] = jax.tree.map(lambda new, old: jnp.where(boundary, new, old),
+                                             updated(scale, finite), scale)
     return self.replace(step=self.step + boundary.astype(jnp.int32), params=params,
                         opt_state=opt_state, **kwargs)
 
@@ -101,7 +116,7 @@ class Optimizer(nnx.Optimizer):
     params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
     if not isinstance(grads, sync.Unreduced):
       grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
-    new_params, new_opt_state, boundary = transform.gate(
+    new_params, new_opt_state, boundary, _ = transform.gate(
         self.tx, grads, nnx.as_pure(self.opt_state), params, weight=weight,
         **nnx.as_pure(kwargs))
     nnx.update(model, new_params)

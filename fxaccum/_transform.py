@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -29,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from fxaccum import _split as split
 from fxaccum import _sync as sync
+from fxaccum._dynamic_scale import all_finite
 from fxaccum._weighted import safe_divide
 
 __all__ = ["AccumulateState", "accumulate", "apply_gradients", "is_boundary"]
@@ -346,7 +348,7 @@ def apply_gradients(
     >>> params   # one SGD step on the token mean (3 * 1 + 1 * 5) / 4 = 2
     Array([-2.], dtype=float32)
   """
-  params, opt_state, _ = gate(tx, grads, opt_state, params, weight=weight, **extra_args)
+  params, opt_state, _, _ = gate(tx, grads, opt_state, params, weight=weight, **extra_args)
   return params, opt_state
 
 
@@ -357,9 +359,14 @@ def gate(
     params: Any,
     *,
     weight: Any = None,
+    check_finite: bool = False,
     **extra_args: Any,
-) -> tuple[Any, Any, jax.Array]:
-  """:func:`apply_gradients` that also returns whether this call ended a window."""
+) -> tuple[Any, Any, jax.Array, jax.Array]:
+  """:func:`apply_gradients` that also returns whether this call ended a window and
+  whether the window's gradient was finite (``check_finite``: a window whose mean
+  gradient is not finite ends without an optimizer step, its params and chain state
+  untouched, as a dynamic loss scale skips a step).
+  """
   config = probe_config(tx, opt_state, params, extra_args)
   state = find_state(opt_state)
   state = _add(config, state, grads, weight, params)
@@ -383,14 +390,19 @@ def gate(
         accumulator=jax.tree.map(jnp.zeros_like, state.accumulator),
         weight=jnp.zeros_like(state.weight),
     )
+    reset_state = _replace_state(opt_state, reset)
     with _gate_session():
-      updates, opt_state = tx.update(mean, _replace_state(opt_state, reset), params,
-                                     **extra_args)
-    return optax.apply_updates(params, updates), opt_state
+      updates, new_opt_state = tx.update(mean, reset_state, params, **extra_args)
+    new_params = optax.apply_updates(params, updates)
+    if not check_finite:
+      return new_params, new_opt_state, jnp.array(True)
+    finite = all_finite(mean)
+    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+    return keep(new_params, params), keep(new_opt_state, reset_state), finite
 
   def hold(operands):
     params, opt_state, state = operands
-    return params, _replace_state(opt_state, state)
+    return params, _replace_state(opt_state, state), jnp.array(True)
 
   operands = (params, opt_state, state)
   # lax.cond needs identical branch types: cast the held state like the stepped one
@@ -401,8 +413,8 @@ def gate(
     return jax.tree.map(lambda x, s: lax.convert_element_type(x, s.dtype), hold(operands),
                         stepped)
 
-  params, opt_state = lax.cond(boundary, step, hold_like_step, operands)
-  return params, opt_state, boundary
+  params, opt_state, finite = lax.cond(boundary, step, hold_like_step, operands)
+  return params, opt_state, boundary, finite
 
 
 def probe_config(tx, opt_state, params, extra_args) -> _Config:

@@ -1,0 +1,107 @@
+"""Dynamic loss scaling (flax's ``DynamicScale``, for fp16) over accumulated gradients.
+
+A loss scale guards the gradient of one optimizer step, so it is checked once per step, on
+the accumulated gradient, and updated once per step:
+
+* in-step: :class:`DynamicScale`, flax's ``DynamicScale`` whose ``value_and_grad`` takes
+  ``micro_batches`` (and fxaccum's other options): every micro-batch's loss is scaled by
+  the same factor, the summed gradient is unscaled and checked once;
+* cross-step: a ``fxaccum.TrainState`` with a ``dynamic_scale`` field (flax's or this
+  one): the gate checks the window's mean gradient once, skips the optimizer step if it
+  is not finite, and updates the scale once per window (:func:`updated`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax.training import dynamic_scale as dynamic_scale_lib
+
+from fxaccum import _instep
+from fxaccum._weighted import Weighted
+
+__all__ = ["DynamicScale", "all_finite", "updated"]
+
+
+class DynamicScale(dynamic_scale_lib.DynamicScale):
+  """flax's ``DynamicScale`` whose ``value_and_grad`` accumulates over micro-batches.
+
+  A drop-in for ``flax.training.dynamic_scale.DynamicScale`` (same fields, same
+  defaults): pass ``micro_batches`` (and any option of :func:`fxaccum.value_and_grad`)
+  to :meth:`value_and_grad`. Without it, it is flax's own.
+
+  Example:
+    >>> import jax.numpy as jnp, fxaccum
+    >>> scale = fxaccum.DynamicScale(scale=2.0 ** 10)
+    >>> loss = lambda w, x: jnp.mean((x * w) ** 2)
+    >>> scale, finite, value, grads = scale.value_and_grad(loss, micro_batches=4)(
+    ...     jnp.ones(1), jnp.arange(8.0).reshape(8, 1))
+    >>> bool(finite), float(value), grads   # the large batch's, unscaled
+    (True, 17.5, Array([35.], dtype=float32))
+  """
+
+  def value_and_grad(  # type: ignore[override]
+      self,
+      fun: Callable[..., Any],
+      argnums: int | Sequence[int] = 0,
+      has_aux: bool = False,
+      axis_name: str | None = None,
+      **options: Any,
+  ) -> Callable[..., dynamic_scale_lib.DynamicScaleResult]:
+    """Like flax's ``DynamicScale.value_and_grad``, over ``micro_batches`` micro-batches.
+
+    Returns a function that returns ``DynamicScaleResult(dynamic_scale, finite, value,
+    grads)``: the updated scale, whether the accumulated gradient is finite, the value
+    (``(loss, aux)`` with ``has_aux``) and the float32 gradient, both unscaled.
+    """
+    if "micro_batches" not in options:
+      return super().value_and_grad(fun, argnums, has_aux, axis_name)
+    if axis_name is not None:
+      raise ValueError(
+          "axis_name is pmap's gradient mean; fxaccum.value_and_grad reduces over the "
+          "data axes itself (data_axes=...). Leave axis_name out.")
+
+    @functools.wraps(fun)
+    def scaled(*args, **kwargs):
+      out = fun(*args, **kwargs)
+      loss, aux = out if has_aux else (out, None)
+      loss = (Weighted(loss.total * self.scale, loss.weight) if isinstance(loss, Weighted)
+              else loss * self.scale)
+      return (loss, aux) if has_aux else loss
+
+    grad_fn = _instep.value_and_grad(scaled, argnums, has_aux, **options)
+
+    def scaled_grad_fn(*args, **kwargs):
+      value, grads = grad_fn(*args, **kwargs)
+      value = (value[0] / self.scale, value[1]) if has_aux else value / self.scale
+      grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) / self.scale, grads)
+      finite = all_finite(grads)
+      return dynamic_scale_lib.DynamicScaleResult(updated(self, finite), finite, value, grads)
+
+    return scaled_grad_fn
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every element of every leaf of ``tree`` is finite."""
+  finite = jnp.array(True)
+  for leaf in jax.tree.leaves(tree):
+    finite &= jnp.all(jnp.isfinite(leaf))
+  return finite
+
+
+def updated(scale: dynamic_scale_lib.DynamicScale, finite: jax.Array) -> Any:
+  """``scale`` after one step whose gradient was ``finite`` (or not): grown after
+  ``growth_interval`` finite steps, backed off after a non-finite one; flax's rule."""
+  grow = scale.fin_steps == scale.growth_interval
+  fin_scale = jnp.where(grow & finite,
+                        jnp.minimum(scale.scale * scale.growth_factor, jnp.finfo(jnp.float32).max),
+                        scale.scale)
+  inf_scale = jnp.asarray(scale.scale * scale.backoff_factor)
+  if scale.minimum_scale is not None:
+    inf_scale = jnp.maximum(inf_scale, scale.minimum_scale)
+  return scale.replace(fin_steps=jnp.where(grow | (~finite), 0, scale.fin_steps + 1),
+                       scale=jnp.where(finite, fin_scale, inf_scale))
