@@ -611,9 +611,7 @@ def _run(config: _Config, layout: sync.Layout, kwargs: dict, modules: _nnx.Modul
               f"view='device' could not run the loss per device: {_first_line(err)}. "
               "(A loss that runs on the global micro-batch, with no collective over the "
               "data axes, can take view='auto' or view='global' instead.)") from err
-        path = dataclasses.replace(
-            path, view="global",
-            reason=f"the loss did not trace per device ({_first_line(err)})")
+        path = dataclasses.replace(path, view="global", reason=_no_device_reason(err))
     if value_aux is None:
       value_aux, grads, after = _global(config, layout, path, reducible, call)
   if config.single_argnum and not isinstance(grads, sync.Unreduced):
@@ -621,6 +619,15 @@ def _run(config: _Config, layout: sync.Layout, kwargs: dict, modules: _nnx.Modul
   keep_aux = config.has_aux or config.skip_nonfinite
   result = (value_aux, grads) if keep_aux else (value_aux[0], grads)
   return result, after
+
+
+def _no_device_reason(err: BaseException) -> str:
+  """Why the per-device region could not run the loss, with the fix where there is one."""
+  if isinstance(err, NotImplementedError) and "Closing over inputs to shard_map" in str(err):
+    return ("the loss closes over a traced value typed on an Explicit mesh, which JAX "
+            "0.10.2 cannot take into the per-device region: pass it to the loss as an "
+            "argument (or keyword argument) to take the fast path")
+  return f"the loss did not trace per device ({_first_line(err)})"
 
 
 def _first_line(err: BaseException) -> str:

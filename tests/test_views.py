@@ -595,3 +595,36 @@ def test_device_view_with_a_collective_and_aux():
   np.testing.assert_allclose(aux["pred"], rows, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(aux["mean_pred"],
                              sum(p[0][1]["mean_pred"] for p in parts) / k, rtol=1e-5)
+
+
+def test_closure_over_a_traced_value_on_an_explicit_mesh_names_the_fix():
+  """JAX 0.10.2 cannot close over a value typed on an Explicit mesh inside shard_map: the
+  global view runs (exact), its reason names the fix, and passing the value as a keyword
+  argument takes the fast path with the same result."""
+  x = np.random.default_rng(9).normal(size=(ROWS, DIM)).astype(np.float32)
+  w = np.ones((DIM, 3), np.float32)
+
+  def loss(w, x, *, scale):
+    return jnp.mean(((x @ w) * scale) ** 2)
+
+  @jax.jit
+  def closing_over(w, x):
+    scale = jnp.sum(w) / 10
+    return fxaccum.value_and_grad(lambda w, x: loss(w, x, scale=scale), micro_batches=2)(w, x)
+
+  @jax.jit
+  def passing(w, x):
+    return fxaccum.value_and_grad(loss, micro_batches=2)(w, x, scale=jnp.sum(w) / 10)
+
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+    (closed,) = diagnostics.paths(closing_over, w, sharded)
+    (passed,) = diagnostics.paths(passing, w, sharded)
+    got_closed, got_passed = closing_over(w, sharded), passing(w, sharded)
+  assert closed.view == "global" and "pass it to the loss as an argument" in closed.reason
+  assert passed.view == "device"
+  scale = float(np.sum(w) / 10)  # a constant to the gradient, closed over or passed
+  want = global_micro_batch_reference(lambda w, b: loss(w, b, scale=scale), w, x, 2)
+  assert_tree_close(got_closed, want)
+  assert_tree_close(got_passed, want)
