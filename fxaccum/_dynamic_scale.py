@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax.training import dynamic_scale as dynamic_scale_lib
+from jax import lax
 
 from fxaccum import _instep
 from fxaccum._weighted import Weighted
@@ -56,14 +57,12 @@ class DynamicScale(dynamic_scale_lib.DynamicScale):
 
     Returns a function that returns ``DynamicScaleResult(dynamic_scale, finite, value,
     grads)``: the updated scale, whether the accumulated gradient is finite, the value
-    (``(loss, aux)`` with ``has_aux``) and the float32 gradient, both unscaled.
+    (``(loss, aux)`` with ``has_aux``) and the float32 gradient, both unscaled. With
+    ``axis_name`` (a ``pmap`` axis, as in flax) the gradient is averaged over it before
+    the check, as flax does.
     """
     if "micro_batches" not in options:
       return super().value_and_grad(fun, argnums, has_aux, axis_name)
-    if axis_name is not None:
-      raise ValueError(
-          "axis_name is pmap's gradient mean; fxaccum.value_and_grad reduces over the "
-          "data axes itself (data_axes=...). Leave axis_name out.")
 
     @functools.wraps(fun)
     def scaled(*args, **kwargs):
@@ -79,6 +78,8 @@ class DynamicScale(dynamic_scale_lib.DynamicScale):
       value, grads = grad_fn(*args, **kwargs)
       value = (value[0] / self.scale, value[1]) if has_aux else value / self.scale
       grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) / self.scale, grads)
+      if axis_name is not None:  # pmap (flax's convention): the replicas' mean, then checked
+        grads = lax.pmean(grads, axis_name)
       finite = all_finite(grads)
       return dynamic_scale_lib.DynamicScaleResult(updated(self, finite), finite, value, grads)
 

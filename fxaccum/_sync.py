@@ -251,12 +251,13 @@ def plan(
       names = tuple(a for a in mesh.axis_names if a in manual)
       raise ValueError(
           f"fxaccum is called inside a shard_map that is manual over {names} with "
-          "check_vma=False, so no value says whether the batch is split over those axes "
-          "or what each device's loss is a part of. Say it: data_axes=(the axes the batch "
-          "is split over) makes each device's loss its shard of one global loss (return "
-          "this device's fxaccum.Weighted(total, count); fxaccum sums totals and counts "
-          "over those axes and reduces the gradients once, after the loop), data_axes=() "
-          "keeps every device's result its own.")
+          "check_vma=False (or inside jax.pmap, which is one), so no value says whether "
+          "the batch is split over those axes or what each device's loss is a part of. "
+          "Say it: data_axes=(the axes the batch is split over) makes each device's loss "
+          "its shard of one global loss (fxaccum sums totals and counts over those axes "
+          "and reduces the gradients once, after the loop), data_axes=() keeps every "
+          "device's result its own, as jax.value_and_grad there does (e.g. a pmap train "
+          "step that then takes lax.pmean of the gradients).")
     varying = _batch_varying(batch_leaves) & manual
     if varying:
       names = tuple(a for a in mesh.axis_names if a in varying)
