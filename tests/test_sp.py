@@ -174,7 +174,8 @@ def test_cross_step_deferred_sync_per_rank():
     opt_state = tx.init(jax.device_put(params, NamedSharding(mesh, P())))
     acc_spec = jax.tree.map(lambda _: P(AXES), opt_state[0].accumulator)
     state_specs = (opt_state[0]._replace(micro_step=P(), optimizer_step=P(),
-                                         accumulator=acc_spec, weight=P(AXES), skipped=P()),
+                                         accumulator=acc_spec, weight=P(AXES), skipped=P(),
+                                         calls=P()),
                    jax.tree.map(lambda _: P(), opt_state[1]))
     run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), state_specs, SPEC),
                                 out_specs=(P(), state_specs)))
