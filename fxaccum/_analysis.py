@@ -654,7 +654,7 @@ def _array(value: Any) -> np.ndarray | None:
     if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
       value = jax.random.key_data(value)
     out = np.asarray(value)
-  except Exception:  # noqa: BLE001 - e.g. PRNG key data: no numbers to compare
+  except Exception:  # noqa: BLE001 - e.g. a closed-over tracer: no numbers to compare
     return None
   return out if out.dtype.kind in "biufc" else None
 
@@ -664,19 +664,14 @@ def _uniform_value(value: np.ndarray) -> float | None:
   if value.dtype.kind not in "biuf" or value.size == 0:
     return None
   first = value.reshape(-1)[0]
-  if not np.all((value == first) | (np.isnan(value) & np.isnan(first))):
-    return None
-  return float(first)
+  same = value == first
+  if value.dtype.kind == "f":
+    same |= np.isnan(value) & np.isnan(first)
+  return float(first) if np.all(same) else None
 
 
 def _all_dims(value: Any) -> frozenset[int]:
   return frozenset(range(np.ndim(value)))
-
-
-def _uniform_dims(value: Any) -> frozenset[int]:
-  array = _array(value)
-  return _all_dims(array) if array is not None and _uniform_value(array) is not None \
-      else frozenset()
 
 
 # ---------------------------------------------------------------------------------------

@@ -162,11 +162,11 @@ class SyncBatchNormMLP(nn.Module):
     return nn.Dense(1)(x)[..., 0]
 
 
-def test_device_view_with_synchronized_batch_statistics_is_exact():
-  """The documented way to keep the per-device view for BatchNorm: flax's
-  BatchNorm(axis_name="data") averages the statistics over the devices (the data axes are
-  manual there), which gives the global micro-batch's statistics again."""
-  rng = np.random.default_rng(7)
+def sync_batchnorm_losses(seed, with_aux=False):
+  """A batch, the MLP's variables, its loss with statistics synchronized over "data" and
+  the same loss on one device's view of the batch (the global micro-batch's statistics);
+  ``with_aux``: with per-example predictions (Concat) and their mean as aux."""
+  rng = np.random.default_rng(seed)
   batch = {"x": rng.normal(size=(ROWS, DIM)).astype(np.float32),
            "y": rng.normal(size=(ROWS,)).astype(np.float32)}
   variables = SyncBatchNormMLP().init(jax.random.key(0), batch["x"])
@@ -175,10 +175,19 @@ def test_device_view_with_synchronized_batch_statistics_is_exact():
     def loss(params, batch):
       out, _ = model.apply({"params": params, "batch_stats": variables["batch_stats"]},
                            batch["x"], mutable=["batch_stats"])
-      return jnp.mean((out - batch["y"]) ** 2)
+      value = jnp.mean((out - batch["y"]) ** 2)
+      return (value, {"pred": fxaccum.Concat(out), "mean_pred": jnp.mean(out)}) if (
+          with_aux) else value
     return loss
 
-  synced, plain = make_loss(SyncBatchNormMLP("data")), make_loss(SyncBatchNormMLP())
+  return batch, variables, make_loss(SyncBatchNormMLP("data")), make_loss(SyncBatchNormMLP())
+
+
+def test_device_view_with_synchronized_batch_statistics_is_exact():
+  """The documented way to keep the per-device view for BatchNorm: flax's
+  BatchNorm(axis_name="data") averages the statistics over the devices (the data axes are
+  manual there), which gives the global micro-batch's statistics again."""
+  batch, variables, synced, plain = sync_batchnorm_losses(seed=7)
   mesh = mesh_of((8,), ("data",), AxisType.Auto)
   with jax.set_mesh(mesh):
     sharded = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), batch)
@@ -565,20 +574,7 @@ def test_device_view_with_a_collective_and_aux():
   """The sync-BatchNorm route with has_aux: the aux's layout is found where the loss runs
   (inside the region manual over the data axes), not by a trace outside it where "data"
   is unbound (before: NameError, then a message pointing back to view='auto')."""
-  rng = np.random.default_rng(8)
-  batch = {"x": rng.normal(size=(ROWS, DIM)).astype(np.float32),
-           "y": rng.normal(size=(ROWS,)).astype(np.float32)}
-  variables = SyncBatchNormMLP().init(jax.random.key(0), batch["x"])
-
-  def make_loss(model):
-    def loss(params, batch):
-      out, _ = model.apply({"params": params, "batch_stats": variables["batch_stats"]},
-                           batch["x"], mutable=["batch_stats"])
-      return jnp.mean((out - batch["y"]) ** 2), {"pred": fxaccum.Concat(out),
-                                                  "mean_pred": jnp.mean(out)}
-    return loss
-
-  synced, plain = make_loss(SyncBatchNormMLP("data")), make_loss(SyncBatchNormMLP())
+  batch, variables, synced, plain = sync_batchnorm_losses(seed=8, with_aux=True)
   k = 2
   parts = [jax.value_and_grad(plain, has_aux=True)(
       variables["params"], jax.tree.map(lambda a, i=i: a[i::k], batch)) for i in range(k)]
