@@ -259,8 +259,7 @@ def grad(
 
 def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, data_axes,
                  accum_dtype, rng_argnums, state_argnums, fsdp_reduce, reduce, view,
-                 param_shardings,
-                 skip_nonfinite, loss_reduction) -> _Config:
+                 param_shardings, skip_nonfinite, loss_reduction) -> _Config:
   """Validates ``value_and_grad``'s arguments (all static) into a :class:`_Config`."""
   micro_batches = split.check_micro_batches(micro_batches)
   argnums, filters = _nnx.argnums_and_filters(argnums)
@@ -324,9 +323,8 @@ def _call(config: _Config, compiled: dict, args: Sequence[Any], kwargs: dict) ->
   if highest >= len(args):
     raise TypeError(
         f"{getattr(config.fun, '__name__', 'fun')} was called with {len(args)} positional "
-        f"arguments, but argnums/batch_argnums/rng_argnums/state_argnums refer to "
-        f"argument {highest}. "
-        "Pass the params and the batch positionally."
+        f"arguments, but argnums/batch_argnums/rng_argnums/state_argnums refer to argument "
+        f"{highest}. Pass the params and the batch positionally."
     )
   module_args = args
   _check_graph_nodes(args, config)
@@ -707,11 +705,11 @@ def _analyses(config: _Config, layout: sync.Layout, call: _Call, paired: bool):
   the analysis, do not depend on shardings.
   """
   axes = layout.data_axes
-  micro = jax.eval_shape(lambda b: split.micro_batch(b, 0, config.micro_batches),
-                         call.batch(config))
+  micro = _micro_batch_avals(config, call)
   leaves = [_gathered(leaf, axes) for leaf in call.diff_leaves]
   rows, devices = jax.tree.leaves(micro)[0].shape[0], layout.data_devices
   paired = paired and devices > 1
+  n_diff, n_micro = len(call.diff_leaves), len(jax.tree.leaves(micro))
 
   def step(leaves, micro, state):
     def total(leaves):
@@ -730,13 +728,11 @@ def _analyses(config: _Config, layout: sync.Layout, call: _Call, paired: bool):
 
   def analysis(traced, rows, partner=None):
     closed, ((_, (_, aux, state, sown)), _) = traced
-    roles = _roles(closed, aux, state, sown, len(call.diff_leaves),
-                   len(jax.tree.leaves(micro)))
     return _analysis.analyze(
-        closed, rows=rows, batch_inputs=range(len(call.diff_leaves), len(
-            call.diff_leaves) + len(jax.tree.leaves(micro))),
-        param_inputs=range(len(call.diff_leaves)), partner=partner,
-        partner_rows=rows // devices if partner is not None else None), roles
+        closed, rows=rows, batch_inputs=range(n_diff, n_diff + n_micro),
+        param_inputs=range(n_diff), partner=partner,
+        partner_rows=rows // devices if partner is not None else None), _roles(
+            closed, aux, state, sown, n_diff, n_micro)
 
   if paired:
     (symbol,) = jax.export.symbolic_shape("rows")
@@ -763,6 +759,12 @@ def _analyses(config: _Config, layout: sync.Layout, call: _Call, paired: bool):
     except Exception as err:  # noqa: BLE001 - the device view could not run it either
       raise _NoDeviceTrace(f"the loss did not trace per device ({_first_line(err)})") from err
   yield analysis(traced, rows, partner)
+
+
+def _micro_batch_avals(config: _Config, call: _Call) -> Any:
+  """The abstract micro-batch (``{batch argnum: tree}``) that ``fun`` receives."""
+  return jax.eval_shape(lambda b: split.micro_batch(b, 0, config.micro_batches),
+                        call.batch(config))
 
 
 def _roles(closed: Any, aux: Any, state: Any, sown: Any, n_diff: int,
@@ -1182,8 +1184,7 @@ def _warn_batch_shaped(config: _Config, call: _Call, whole: list[Any],
   """Warns about plain aux leaves that hold one value per example: averaged over the
   micro-batches, they would come back as one averaged micro-batch. A leaf only shaped
   like that (e.g. 8 BatchNorm channels, 8 rows) is checked against the loss's jaxpr."""
-  micro = jax.eval_shape(lambda b: split.micro_batch(b, 0, config.micro_batches),
-                         call.batch(config))
+  micro = _micro_batch_avals(config, call)
   rows = jax.tree.leaves(micro)[0].shape[0]
   if rows < 2 or not any(not _is_marker(m) and m.shape[:1] == (rows,) for m in markers):
     return

@@ -328,3 +328,26 @@ def test_aux_shaped_like_the_rows_but_not_per_example_does_not_warn():
 
   with pytest.warns(UserWarning, match="one value per example.*fxaccum.Concat"):
     fxaccum.value_and_grad(per_example, has_aux=True, micro_batches=4)(jnp.ones(8), x)
+
+
+class Counter(nnx.Pytree):
+  """A graph node that is no module: an nnx.Pytree holding a Variable."""
+
+  def __init__(self):
+    self.seen = nnx.Variable(jnp.zeros((), jnp.int32))
+
+
+def test_any_graph_node_argument_is_threaded():
+  """An nnx.Pytree (and the Variable inside it) passed to the loss is threaded through the
+  micro-batches like module state: the loss's count of rows reaches the whole batch."""
+  batch, k = data(6), 4
+  model, counter = Sower(nnx.Rngs(0)), Counter()
+
+  def loss(model, batch, counter):
+    counter.seen[...] += batch["x"].shape[0]
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # Module.sow
+    fxaccum.grad(loss, micro_batches=k)(model, batch, counter)
+  assert int(counter.seen[...]) == ROWS
