@@ -594,6 +594,8 @@ def _run(config: _Config, layout: sync.Layout, kwargs: dict, modules: _nnx.Modul
   call = _Call(diff_leaves, diff_def, rest, kwargs, state, modules)
   if layout.manual:
     value_aux, grads, after = _per_rank(config, layout, call)
+  elif (direct := _direct(config, layout, call)) is not None:
+    value_aux, grads, after = direct
   elif not layout.data_axes:
     path = _view.Path("global", "the batch is not split over data-parallel devices", ())
     value_aux, grads, after = _global(config, layout, path, frozenset(), call)
@@ -617,6 +619,21 @@ def _run(config: _Config, layout: sync.Layout, kwargs: dict, modules: _nnx.Modul
   keep_aux = config.has_aux or config.skip_nonfinite
   result = (value_aux, grads) if keep_aux else (value_aux[0], grads)
   return result, after
+
+
+def _direct(config: _Config, layout: sync.Layout, call: _Call) -> Any:
+  """One micro-batch (``view="auto"``, reduced): nothing to accumulate, and the compiler's
+  reduction of ``jax.value_and_grad``'s program is already one per step, so that program
+  runs, without a per-device region or a loop. None where it does not trace (code valid
+  only per device, e.g. FSDP params beside a data-sharded batch on an Explicit mesh)."""
+  if config.micro_batches != 1 or config.view != "auto" or not config.reduce:
+    return None
+  path = _view.Path("global", "one micro-batch: the step runs as jax.value_and_grad runs it",
+                    layout.data_axes)
+  try:
+    return _global(config, layout, path, frozenset(), call)
+  except Exception:  # noqa: BLE001 - not runnable on the global batch: decide as for k > 1
+    return None
 
 
 def _no_device_reason(err: BaseException) -> str:
@@ -1109,7 +1126,11 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
     return _retyped(carry, like=init, axes=axes), sown
 
   init = (sums.init(), call.state)
-  (sums_carry, state), sown = lax.scan(body, init, jnp.arange(k))
+  if k == 1:  # one micro-batch: no loop, the step as jax.value_and_grad runs it
+    (sums_carry, state), sown = body(init, jnp.int32(0))
+    sown = jax.tree.map(lambda x: x[None], sown)
+  else:
+    (sums_carry, state), sown = lax.scan(body, init, jnp.arange(k))
   grad_sums, total_sum, weight_sum, aux_sums, skipped_sum = sums_carry
 
   with jax.named_scope("fxaccum_reduce"):

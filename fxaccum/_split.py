@@ -95,6 +95,8 @@ def micro_batch(batch: Any, index: jax.Array | int, micro_batches: int) -> Any:
 
   def take(leaf):
     leaf = jnp.asarray(leaf)
+    if micro_batches == 1:  # the whole batch, as jax.value_and_grad would see it
+      return leaf
     rows = leaf.reshape(leaf.shape[0] // micro_batches, micro_batches, *leaf.shape[1:])
     return lax.dynamic_index_in_dim(rows, index, axis=1, keepdims=False)
 

@@ -227,7 +227,13 @@ def test_losses_that_depend_on_the_number_of_rows(name, axis_type):
     paths = diagnostics.paths(step, w, sharded)
   for k in KS:
     assert_tree_close(got[k], micro_reference(loss, w, x, k, summed), rtol=2e-5)
+  # k = 1 runs as jax.value_and_grad where that program runs on the global batch (nothing to
+  # accumulate); the other k (and k = 1 where it does not) take the view the analysis gives.
+  assert len(paths) == len(KS), paths
+  analyzed = [p for p in paths if not p.reason.startswith("one micro-batch")]
+  assert len(analyzed) >= len(KS) - 1, paths
   if name in PER_EXAMPLE:
-    assert [p.view for p in paths] == ["device"] * len(KS), paths
+    assert all(p.view == "device" for p in analyzed), paths
   elif name == "custom_jvp_rule_mixes_rows":
-    assert all(p.view == "global" and "gradient mixes examples" in p.reason for p in paths)
+    assert all(p.view == "global" and "gradient mixes examples" in p.reason
+               for p in analyzed), paths

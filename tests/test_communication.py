@@ -132,3 +132,33 @@ def test_diagnostics_sees_conditional_and_loop_places():
   assert loop[0].bytes == 16
   assert rep.memory is not None and rep.memory.argument_bytes > 0
   assert "conditional" in rep.summary()
+
+
+@pytest.mark.parametrize("layout", ["replicated", "fsdp", "data_x_model"])
+def test_one_micro_batch_compiles_jax_value_and_grads_program(layout):
+  """k = 1 has nothing to accumulate: the step is jax.value_and_grad's program (no loop, no
+  per-device region), with its collectives, so it costs what the large batch costs."""
+  specs = {"replicated": ({}, ("data",), (8,)),
+           "fsdp": ({"w1": P("data", None), "b1": P("data"), "w2": P("data", None)},
+                    ("data",), (8,)),
+           "data_x_model": ({"w1": P(None, "model"), "b1": P("model"),
+                             "w2": P("model", None)}, ("data", "model"), (4, 2))}
+  param_specs, names, shape = specs[layout]
+  mesh = mesh_of(shape, names, AxisType.Auto)
+  params, data = make_params(), make_data(k=1)
+  large_batch = jax.jit(jax.value_and_grad(lambda p, b: weighted_loss(p, b).value()))
+  step = jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=1))
+  with jax.set_mesh(mesh):
+    args = (put(params, mesh, param_specs), put(data, mesh, DATA))
+    lowered = step.lower(*args).as_text()
+    ours, theirs = diagnostics.report(step, *args), diagnostics.report(large_batch, *args)
+    (path,) = diagnostics.paths(step, *args)
+  assert path.reason.startswith("one micro-batch"), path
+  assert "manual_computation" not in lowered and "stablehlo.while" not in lowered
+  # The same collectives (XLA may combine the loss total and weight differently).
+  assert {(c.kind, c.axes, c.place) for c in ours.collectives} == {
+      (c.kind, c.axes, c.place) for c in theirs.collectives}, (ours.summary(),
+                                                               theirs.summary())
+  kinds = (*diagnostics.REDUCTIONS, "all-gather")
+  assert abs(ours.bytes_per_call(kinds) - theirs.bytes_per_call(kinds)) <= 64, (
+      ours.summary(), theirs.summary())
