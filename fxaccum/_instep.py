@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from fxaccum import _accumulators as acc
 from fxaccum import _analysis, _nnx, _view
+from fxaccum import _reduce as reduce
 from fxaccum import _split as split
 from fxaccum import _sync as sync
 from fxaccum._weighted import Concat, State, Sum, Weighted, safe_divide, weight_dtype
@@ -950,15 +951,14 @@ def _device_loop(config: _Config, layout: sync.Layout, call: _Call, presummed: b
   def finalize(sums, weight):
     if not config.reduce:  # deferred: packaged below, with this device's weight
       return sums
-    grads = []
-    for total, leaf, dims, loop_dims in zip(sums, call.diff_leaves, layout.param_dims,
-                                            gather_in_loop, strict=True):
+    plans = []
+    for dims, loop_dims in zip(layout.param_dims, gather_in_loop, strict=True):
       # In-loop gathers already reduce-scattered over their axes each micro-batch.
-      scattered = {a for _, dim_axes in loop_dims for a in dim_axes}
-      remaining = tuple(a for a in axes if a not in scattered)
-      reduced = sync.reduce(total, remaining, () if loop_dims else dims)
-      grads.append(safe_divide(reduced, weight).astype(jnp.result_type(leaf)))
-    return grads
+      scattered = {a for _, dim_axes in (loop_dims or dims) for a in dim_axes}
+      plans.append(((() if loop_dims else dims), tuple(a for a in axes if a not in scattered)))
+    return [safe_divide(reduced, weight).astype(jnp.result_type(leaf))
+            for reduced, leaf in zip(reduce.reduce_leaves(sums, plans), call.diff_leaves,
+                                     strict=True)]
 
   sums = acc.Accumulator(
       lambda: [sync.vary(jnp.zeros_like(leaf, config.accum_dtype), axes) for leaf in whole],
@@ -1084,15 +1084,19 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
   k = config.micro_batches
   batch = call.batch(config)
 
-  def micro_loss(leaves, index, state):
-    full = [sync.gather(leaf, dims) for leaf, dims in zip(leaves, gather_dims, strict=True)]
+  def gathered(leaves):  # FSDP leaves gathered in the loop, still varying (local grads)
+    return sync.vary([sync.gather(leaf, dims) for leaf, dims in zip(leaves, gather_dims,
+                                                                   strict=True)], axes)
+
+  def micro_loss(full, index, state):
     micro = split.micro_batch(batch, index, k)
     total, weight, aux, state, sown = call.loss(config, full, micro, index, state)
     return total, (weight, aux, state, sown)
 
   # One micro-step's outputs (abstract, with the manual axes each varies over) shape the
   # accumulators.
-  closed, shapes = jax.make_jaxpr(micro_loss, return_shape=True)(whole, 0, call.state)
+  closed, shapes = jax.make_jaxpr(lambda w, i, s: micro_loss(gathered(w), i, s),
+                                  return_shape=True)(whole, 0, call.state)
   out_def = jax.tree.structure(shapes)
   total_aval, (weight_aval, aux_avals, _, _) = jax.tree.unflatten(out_def, closed.out_avals)
   total_axes, (weight_axes, aux_axes, _, _) = jax.tree.unflatten(
@@ -1112,7 +1116,9 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
   def body(carry, index):
     sums_carry, old_state = carry
     (loss_total, (loss_weight, aux_values, state, sown)), grad_values = jax.value_and_grad(
-        micro_loss, has_aux=True)(whole, index, old_state)
+        micro_loss, has_aux=True)(gathered(whole), index, old_state)
+    if any(gather_dims):  # the gathered leaves' local gradients, reduce-scattered in buckets
+      grad_values = reduce.reduce_leaves(grad_values, [(dims, ()) for dims in gather_dims])
     values = [grad_values, loss_total, loss_weight,
               jax.tree.leaves(aux_values, is_leaf=_is_marker), jnp.zeros((), jnp.int32)]
     if config.skip_nonfinite:  # a non-finite micro-batch contributes nothing

@@ -1,0 +1,95 @@
+"""The data-axis reduction of local gradient sums, in buckets: one collective per bucket.
+
+Inside a region manual over the data axes, each gradient leaf is reduced over those axes:
+reduce-scattered over the axes its param is sharded over (FSDP), all-reduced over the rest.
+Issued leaf by leaf that is one collective — one rendezvous — per leaf, and XLA:CPU combines
+no reduce-scatters (XLA:GPU only below its combiner's byte threshold). So leaves that reduce
+the same way are packed into buckets, as PyTorch DDP's ``bucket_cap_mb`` and FSDP's flat
+parameters do: each leaf is laid out with its sharded dimension first and flattened to
+``(devices, -1)``, the bucket's leaves are concatenated along the second axis, reduced by one
+``psum_scatter`` (or ``psum``), and split back. Element for element the result is the
+per-leaf reduction's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fxaccum import _sync as sync
+
+__all__ = ["Plan", "reduce_leaves"]
+
+# How one leaf is reduced: (its dimensions sharded over data axes, to reduce-scatter over
+# those axes; the other axes to sum it over).
+Plan = tuple[sync.DataDims, tuple[str, ...]]
+
+
+def reduce_leaves(leaves: Sequence[jax.Array], plans: Sequence[Plan],
+                  bucket_bytes: int | None = None) -> list[jax.Array]:
+  """Each leaf reduced as its plan says — reduce-scattered over the axes of its sharded
+  dimensions, then summed over the plan's other axes, as :func:`fxaccum._sync.reduce`
+  does — with one collective per bucket of at most ``bucket_bytes`` (None: one bucket per
+  kind of reduction)."""
+  out: list[Any] = list(leaves)
+  groups: dict[Any, list[int]] = {}
+  for i, (leaf, (leaf_dims, rest)) in enumerate(zip(leaves, plans, strict=True)):
+    if len(leaf_dims) > 1:  # sharded on several dimensions: on its own
+      out[i] = sync.reduce(leaf, rest + tuple(a for _, axes in leaf_dims for a in axes),
+                           leaf_dims)
+      continue
+    scatter = leaf_dims[0][1] if leaf_dims else ()
+    if scatter or rest:
+      groups.setdefault((scatter, rest, jnp.result_type(leaf)), []).append(i)
+  for (scatter, rest, _), members in groups.items():
+    for bucket in _buckets(members, leaves, bucket_bytes):
+      reduced = (_scattered(bucket, leaves, plans, scatter, rest) if scatter
+                 else lax.psum([leaves[i] for i in bucket], rest))
+      for i, value in zip(bucket, reduced, strict=True):
+        out[i] = value
+  return out
+
+
+def _buckets(members: list[int], leaves: Sequence[jax.Array],
+             bucket_bytes: int | None) -> list[list[int]]:
+  if bucket_bytes is None:
+    return [members]
+  buckets: list[list[int]] = [[]]
+  size = 0
+  for i in members:
+    nbytes = math.prod(jnp.shape(leaves[i])) * jnp.result_type(leaves[i]).itemsize
+    if buckets[-1] and size + nbytes > bucket_bytes:
+      buckets.append([])
+      size = 0
+    buckets[-1].append(i)
+    size += nbytes
+  return buckets
+
+
+def _scattered(bucket: list[int], leaves: Sequence[jax.Array], plans: Sequence[Plan],
+               scatter: tuple[str, ...], rest: tuple[str, ...]) -> list[jax.Array]:
+  """One ``psum_scatter`` over ``scatter`` (then one ``psum`` over ``rest``) for the whole
+  bucket: each leaf's sharded dimension first, flattened to ``(devices, -1)``."""
+  devices = math.prod(lax.axis_size(a) for a in scatter)
+  flat, shapes = [], []
+  for i in bucket:
+    dim = plans[i][0][0][0]
+    moved = jnp.moveaxis(leaves[i], dim, 0)
+    shapes.append((dim, moved.shape))
+    flat.append(moved.reshape(devices, -1))
+  packed = lax.psum_scatter(jnp.concatenate(flat, axis=1), scatter, scatter_dimension=0,
+                            tiled=True)
+  if rest:
+    packed = lax.psum(packed, rest)
+  out, offset = [], 0
+  for (dim, shape), piece in zip(shapes, flat, strict=True):
+    width = piece.shape[1]
+    local = packed[:, offset:offset + width].reshape(shape[0] // devices, *shape[1:])
+    out.append(jnp.moveaxis(local, 0, dim))
+    offset += width
+  return out
