@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from fxaccum import _accumulators as acc
 from fxaccum import _analysis, _nnx, _view
-from fxaccum import _reduce as reduce
+from fxaccum import _reduce as reduce_lib
 from fxaccum import _split as split
 from fxaccum import _sync as sync
 from fxaccum._weighted import Concat, State, Sum, Weighted, safe_divide, weight_dtype
@@ -55,6 +55,7 @@ class _Options(TypedDict, total=False):
   rng_argnums: int | Sequence[int]
   state_argnums: int | Sequence[int]
   fsdp_reduce: FsdpReduce
+  bucket_bytes: int | None
   reduce: bool
   view: _view.View
   param_shardings: Any
@@ -93,6 +94,7 @@ def value_and_grad(
     rng_argnums: int | Sequence[int] = (),
     state_argnums: int | Sequence[int] = (),
     fsdp_reduce: FsdpReduce = "per_micro_batch",
+    bucket_bytes: int | None = reduce_lib.BUCKET_BYTES,
     reduce: bool = True,
     view: _view.View = "auto",
     param_shardings: Any = None,
@@ -165,6 +167,10 @@ def value_and_grad(
       plain aux leaf is averaged over the micro-batches.)
     fsdp_reduce: for params sharded over a data axis: ``"per_micro_batch"`` (default) or
       ``"per_step"``.
+    bucket_bytes: in the per-device view, gradient leaves that are reduced the same way
+      are reduced together, one collective per bucket of at most this many bytes (4 MiB
+      by default; ``None``: one bucket; ``0``: one collective per leaf), as PyTorch DDP's
+      ``bucket_cap_mb``.
     reduce: ``False`` defers the data-axis reduction to a cross-step gate: the gradients
       come back as :class:`fxaccum.Unreduced` per-device sums (the value is still the
       reduced loss). Feed them to a chain with ``fxaccum.accumulate(k, data_axes=...)``.
@@ -214,7 +220,8 @@ def value_and_grad(
       fun, argnums, has_aux, micro_batches=micro_batches, batch_argnums=batch_argnums,
       data_axes=data_axes, accum_dtype=accum_dtype, rng_argnums=rng_argnums,
       state_argnums=state_argnums,
-      fsdp_reduce=fsdp_reduce, reduce=reduce, view=view, param_shardings=param_shardings,
+      fsdp_reduce=fsdp_reduce, bucket_bytes=bucket_bytes, reduce=reduce, view=view,
+      param_shardings=param_shardings,
       skip_nonfinite=skip_nonfinite, loss_reduction=loss_reduction)
   compiled: dict[Any, Callable[..., Any]] = {}  # one jitted program per layout (eager calls)
 
@@ -259,8 +266,8 @@ def grad(
 
 
 def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, data_axes,
-                 accum_dtype, rng_argnums, state_argnums, fsdp_reduce, reduce, view,
-                 param_shardings, skip_nonfinite, loss_reduction) -> _Config:
+                 accum_dtype, rng_argnums, state_argnums, fsdp_reduce, bucket_bytes, reduce,
+                 view, param_shardings, skip_nonfinite, loss_reduction) -> _Config:
   """Validates ``value_and_grad``'s arguments (all static) into a :class:`_Config`."""
   micro_batches = split.check_micro_batches(micro_batches)
   argnums, filters = _nnx.argnums_and_filters(argnums)
@@ -304,6 +311,11 @@ def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, data_ax
   accum_dtype = jnp.dtype(accum_dtype)
   if not jnp.issubdtype(accum_dtype, jnp.floating):
     raise TypeError(f"accum_dtype must be a float dtype, got {accum_dtype}.")
+  if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(
+      bucket_bytes, int) or bucket_bytes < 0):
+    raise ValueError(
+        f"bucket_bytes must be a byte count >= 0 (0: one collective per leaf) or None (one "
+        f"bucket), got {bucket_bytes!r}.")
   single_argnum = isinstance(argnums, int)
   if param_shardings is not None:
     param_shardings = (param_shardings,) if single_argnum else tuple(param_shardings)
@@ -313,6 +325,7 @@ def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, data_ax
       rng_argnums=rng_argnums_t, state_argnums=state_argnums_t,
       data_axes=None if data_axes is None else _as_axes(data_axes),
       param_shardings=param_shardings, accum_dtype=accum_dtype, fsdp_reduce=fsdp_reduce,
+      bucket_bytes=bucket_bytes,
       reduce=bool(reduce), view=view, skip_nonfinite=bool(skip_nonfinite),
       loss_reduction=loss_reduction)
 
@@ -422,6 +435,7 @@ class _Config:
   param_shardings: tuple[Any, ...] | None  # one tree per differentiated argument
   accum_dtype: Any
   fsdp_reduce: FsdpReduce
+  bucket_bytes: int | None
   reduce: bool
   view: _view.View
   skip_nonfinite: bool
@@ -957,8 +971,8 @@ def _device_loop(config: _Config, layout: sync.Layout, call: _Call, presummed: b
       scattered = {a for _, dim_axes in (loop_dims or dims) for a in dim_axes}
       plans.append(((() if loop_dims else dims), tuple(a for a in axes if a not in scattered)))
     return [safe_divide(reduced, weight).astype(jnp.result_type(leaf))
-            for reduced, leaf in zip(reduce.reduce_leaves(sums, plans), call.diff_leaves,
-                                     strict=True)]
+            for reduced, leaf in zip(reduce_lib.reduce_leaves(sums, plans, config.bucket_bytes),
+                                     call.diff_leaves, strict=True)]
 
   sums = acc.Accumulator(
       lambda: [sync.vary(jnp.zeros_like(leaf, config.accum_dtype), axes) for leaf in whole],
@@ -1118,7 +1132,8 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
     (loss_total, (loss_weight, aux_values, state, sown)), grad_values = jax.value_and_grad(
         micro_loss, has_aux=True)(gathered(whole), index, old_state)
     if any(gather_dims):  # the gathered leaves' local gradients, reduce-scattered in buckets
-      grad_values = reduce.reduce_leaves(grad_values, [(dims, ()) for dims in gather_dims])
+      grad_values = reduce_lib.reduce_leaves(
+          grad_values, [(dims, ()) for dims in gather_dims], config.bucket_bytes)
     values = [grad_values, loss_total, loss_weight,
               jax.tree.leaves(aux_values, is_leaf=_is_marker), jnp.zeros((), jnp.int32)]
     if config.skip_nonfinite:  # a non-finite micro-batch contributes nothing

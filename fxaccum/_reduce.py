@@ -23,7 +23,12 @@ from jax import lax
 
 from fxaccum import _sync as sync
 
-__all__ = ["Plan", "reduce_leaves"]
+__all__ = ["BUCKET_BYTES", "Plan", "reduce_leaves"]
+
+#: Default bucket size: measured on 8 simulated CPU devices (docs/performance.md), 2-4 MiB
+#: buckets beat one collective per leaf (a rendezvous each) and one bucket for all leaves
+#: (every full-size gradient live at once, then copied into it).
+BUCKET_BYTES = 4 << 20
 
 # How one leaf is reduced: (its dimensions sharded over data axes, to reduce-scatter over
 # those axes; the other axes to sum it over).

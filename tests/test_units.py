@@ -156,3 +156,32 @@ def test_plan_refuses_unknown_axes_and_mixed_dimensions():
   mixed = _placed(mesh, P(("data", "model")))
   layout = sync.plan([mixed], [batch], [], None)
   assert "mixing data axes" in layout.device_blocker
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 0, 700])
+def test_bucketed_reduction_equals_the_per_leaf_one(bucket_bytes):
+  """fxaccum._reduce packs leaves sharded on different dimensions (and replicated ones)
+  into buckets; element for element it is sync.reduce leaf by leaf."""
+  from fxaccum import _reduce
+
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  rng = np.random.default_rng(0)
+  shapes = [(16, 3), (5, 24), (8,), (4, 2)]
+  plans = [(((0, ("data",)),), ()), (((1, ("data",)),), ()), (((0, ("data",)),), ()),
+           ((), ("data",))]
+  local = [rng.normal(size=(8, *s)).astype(np.float32) for s in shapes]  # one per device
+
+  def run(fn):
+    def body(*leaves):
+      leaves = [x[0] for x in leaves]
+      return [x[None] for x in fn(leaves)]
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(
+        *local)
+
+  with jax.set_mesh(mesh):
+    local = [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in local]
+    want = run(lambda leaves: [sync.reduce(x, ("data",), dims)
+                               for x, (dims, _) in zip(leaves, plans, strict=True)])
+    got = run(lambda leaves: _reduce.reduce_leaves(leaves, plans, bucket_bytes))
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
