@@ -168,7 +168,7 @@ def value_and_grad(
     fsdp_reduce: for params sharded over a data axis: ``"per_micro_batch"`` (default) or
       ``"per_step"``.
     bucket_bytes: in the per-device view, gradient leaves that are reduced the same way
-      are reduced together, one collective per bucket of at most this many bytes (4 MiB
+      are reduced together, one collective per bucket of at most this many bytes (2 MiB
       by default; ``None``: one bucket; ``0``: one collective per leaf), as PyTorch DDP's
       ``bucket_cap_mb``.
     reduce: ``False`` defers the data-axis reduction to a cross-step gate: the gradients

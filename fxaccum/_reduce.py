@@ -25,10 +25,10 @@ from fxaccum import _sync as sync
 
 __all__ = ["BUCKET_BYTES", "Plan", "reduce_leaves"]
 
-#: Default bucket size: measured on 8 simulated CPU devices (docs/performance.md), 2-4 MiB
-#: buckets beat one collective per leaf (a rendezvous each) and one bucket for all leaves
-#: (every full-size gradient live at once, then copied into it).
-BUCKET_BYTES = 4 << 20
+#: Default bucket size, measured on 8 simulated CPU devices (docs/performance.md): 2 MiB
+#: buckets beat one collective per leaf (a rendezvous each), larger buckets (more full-size
+#: gradients live at once) and one bucket for all leaves (all of them, copied into it).
+BUCKET_BYTES = 2 << 20
 
 # How one leaf is reduced: (its dimensions sharded over data axes, to reduce-scatter over
 # those axes; the other axes to sum it over).
