@@ -111,11 +111,15 @@ class Analysis:
       nested ``shard_map``, which JAX 0.10 cannot lower there), empty if it can.
     reducible: indices of the param inputs used only as a matmul operand against batch
       rows (through casts and transposes).
+    sized_positions: an index or position operand followed the number of rows (with a
+      symbolic one, JAX spells some operations so, e.g. a reversal as a gather): a trace
+      on concrete sizes may prove more.
   """
 
   outputs: tuple[Kind, ...]
   blockers: tuple[str, ...]
   reducible: frozenset[int]
+  sized_positions: bool = False
 
 
 def analyze(
@@ -155,7 +159,7 @@ def analyze(
     outputs = [k if mixing(k) else Top(unpaired) for k in outputs]
   used_params = set(range(len(param_inputs)))
   return Analysis(tuple(outputs), tuple(dict.fromkeys(walker.blockers)),
-                  frozenset(used_params - walker.not_reducible))
+                  frozenset(used_params - walker.not_reducible), walker.sized_positions)
 
 
 def depends_on(closed_jaxpr: Any, values: Sequence[Any]) -> list[bool]:
@@ -200,6 +204,8 @@ class _Walker:
     # var -> its shape in the partner trace, where no partner equation gives it (a sum
     # over a dimension of size 1 there, which JAX left out or kept as a dimension)
     self.virtual: dict[Any, tuple[int, ...]] = {}
+    # whether a position or index operand followed the number of rows
+    self.sized_positions = False
 
   # -- pairing with the per-device trace -----------------------------------------------
 
@@ -736,10 +742,13 @@ def _misaligned(eqn, rows: Sequence[Rows]) -> str | None:
                 "(e.g. the batch and the batch reversed)")
 
 
-def _index_changes(kinds) -> bool:
+def _index_changes(w: _Walker, kinds) -> bool:
   """Whether a batch-independent index or position operand follows the number of rows
-  (e.g. ``n - 1``): per device it would pick other elements than globally."""
-  return any(isinstance(k, Const) and k.exp != 0 for k in kinds)
+  (e.g. ``n - 1``): per device it would pick other elements than globally. (Recorded: with
+  a symbolic number of rows JAX computes some positions from it, e.g. a reversal.)"""
+  changes = any(isinstance(k, Const) and k.exp != 0 for k in kinds)
+  w.sized_positions = w.sized_positions or changes
+  return changes
 
 
 _FOLD: dict[str, Callable[..., Any]] = {
@@ -1000,9 +1009,9 @@ def _along_batch(what: str, acted: Callable[[Any], set[int]]):
     name = eqn.primitive.name
     dims = acted(eqn)
     scaled = w.scaled_dims(eqn, 0) & dims
-    positions = rest if name != "pad" else []
+    moves = _index_changes(w, rest if name != "pad" else [])
     if isinstance(kind, Rows):
-      ok = all(isinstance(k, Const) for k in rest) and not _index_changes(positions)
+      ok = all(isinstance(k, Const) for k in rest) and not moves
       if name == "pad":  # the padding is part of every example
         ok = ok and (rest[0].value == 0 or rest[0].exp == kind.exp)
       order = kind.order
@@ -1017,11 +1026,11 @@ def _along_batch(what: str, acted: Callable[[Any], set[int]]):
       return [Rows(kind.dim, mixed, kind.exp, order)] * outs
     if isinstance(kind, Stat):
       ok = (name in linear_ops and all(isinstance(k, Const) for k in rest)
-            and not _index_changes(positions) and not scaled)
+            and not moves and not scaled)
       return [Stat(kind.mixed or (None if ok else _where(eqn, f"{what} of a statistic")),
                    kind.exp)] * outs
     if all(isinstance(k, Const) for k in kinds):
-      exp = None if _index_changes(positions) or not scaled <= kind.uniform else kind.exp
+      exp = None if moves or not scaled <= kind.uniform else kind.exp
       uniform, value = kind.uniform, kind.value
       if name == "pad":
         exp = _common_exp(kinds) if exp is not None else None
@@ -1068,7 +1077,7 @@ def _concatenate(w: _Walker, eqn, kinds):
 
 def _dynamic_update_slice(w: _Walker, eqn, kinds):
   operand, update = kinds[:2]
-  if _index_changes(kinds[2:]):
+  if _index_changes(w, kinds[2:]):
     return Top(_where(eqn, "an update at a position that follows the number of rows")) if (
         any(not isinstance(k, Const) for k in kinds)) else Const(exp=None)
   if all(isinstance(k, Const) for k in kinds):
@@ -1168,8 +1177,9 @@ def _gather(w: _Walker, eqn, kinds):
   selected = {d for d in range(len(op_shape)) if slice_sizes[d] != op_shape[d]} | set(
       dn.start_index_map)
   scaled_selected = w.scaled_dims(eqn, 0) & selected
+  moves = _index_changes(w, [indices])
   if isinstance(operand, Const) and isinstance(indices, Const):
-    changes = _index_changes([indices]) or not scaled_selected <= operand.uniform
+    changes = moves or not scaled_selected <= operand.uniform
     return Const(exp=None if changes else operand.exp)
   if isinstance(operand, Stat) or isinstance(indices, Stat):
     return Top(_where(eqn, "a gather that involves a batch statistic"))
@@ -1194,7 +1204,7 @@ def _gather(w: _Walker, eqn, kinds):
   dim = operand.dim
   whole = (dim not in dn.start_index_map and dim not in dn.collapsed_slice_dims
            and dim not in dn.operand_batching_dims and slice_sizes[dim] == op_shape[dim])
-  if not whole or _index_changes([indices]) or scaled_selected:
+  if not whole or moves or scaled_selected:
     return Top(_where(eqn, "a gather that selects examples"))
   offset_operand_dims = [d for d in range(len(op_shape))
                          if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
@@ -1215,6 +1225,7 @@ def _scatter(w: _Walker, eqn, kinds):
   window = dict(zip(dn.update_window_dims, window_op_dims, strict=True))  # updates -> operand
   upd_scatter = [d for d in range(len(upd_shape)) if d not in dn.update_window_dims]
   scaled = w.scaled_dims(eqn, 0)
+  moves = _index_changes(w, [indices])
   if all(isinstance(k, Const) for k in kinds):
     # Along a dimension whose size follows the rows the window must be whole.
     whole = {d for u, d in window.items() if upd_shape[u] == op_shape[d]}
@@ -1222,9 +1233,9 @@ def _scatter(w: _Walker, eqn, kinds):
     uniform = {d for u, d in window.items()
                if d in whole and d in operand.uniform and (
                    u in updates.uniform or updates.value is not None)}
-    return Const(frozenset(uniform), exp=None if moved or _index_changes([indices])
+    return Const(frozenset(uniform), exp=None if moved or moves
                  else _common_exp([operand, updates]))
-  if (isinstance(updates, Stat) and isinstance(indices, Const) and not _index_changes([indices])
+  if (isinstance(updates, Stat) and isinstance(indices, Const) and not moves
       and name in ("scatter", "scatter-add") and not scaled and (
           (isinstance(operand, Const) and operand.value == 0)
           or (isinstance(operand, Stat) and name == "scatter-add"))):
@@ -1233,7 +1244,7 @@ def _scatter(w: _Walker, eqn, kinds):
     exp = _common_exp([operand, updates])
     return Stat(_first_mixed(stats) or (None if exp is not None else _where(
         eqn, f"a {name} of statistics that scale differently")), exp)
-  if any(isinstance(k, (Stat, Top)) for k in kinds) or _index_changes([indices]):
+  if any(isinstance(k, (Stat, Top)) for k in kinds) or moves:
     return Top(_where(eqn, f"a {name} that involves batch statistics or moving positions"))
   rows = [k for k in kinds if isinstance(k, Rows)]
   mixed = _first_mixed(rows) or _misaligned(eqn, rows)

@@ -20,12 +20,13 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, ParamSpec, Required, TypedDict, Unpack, overload
+from typing import Any, Literal, NamedTuple, ParamSpec, Required, TypedDict, Unpack, overload
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.extend import core as jcore
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -615,11 +616,11 @@ def _run(config: _Config, layout: sync.Layout, kwargs: dict, modules: _nnx.Modul
     path = _view.Path("global", "the batch is not split over data-parallel devices", ())
     value_aux, grads, after = _global(config, layout, path, frozenset(), call)
   else:
-    path, reducible = _decide(config, layout, call)
+    path, reducible, traced_aux = _decide(config, layout, call)
     value_aux = None
     if path.view == "device":
       try:
-        value_aux, grads, after = _device(config, layout, path, call)
+        value_aux, grads, after = _device(config, layout, path, call, traced_aux)
       except Exception as err:  # noqa: BLE001 - any failure to trace per device
         if config.view == "device":
           raise ValueError(
@@ -665,17 +666,26 @@ def _first_line(err: BaseException) -> str:
   return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
-def _decide(config: _Config, layout: sync.Layout, call: _Call) -> tuple[
-    _view.Path, frozenset[int]]:
-  """The view for this call and the leaves the global view may keep ``reduced``."""
+class _Decision(NamedTuple):
+  """The view for a call, the leaves the global view may keep ``reduced``, and the aux the
+  analysis traced (abstract, with its markers; None where it traced none)."""
+
+  path: _view.Path
+  reducible: frozenset[int] = frozenset()
+  aux: Any = None
+
+
+def _decide(config: _Config, layout: sync.Layout, call: _Call) -> _Decision:
+  """The view for this call (see :class:`_Decision`)."""
   axes = layout.data_axes
   explicit = _explicit(layout.mesh, axes)
   if config.view == "global" and not explicit:
-    return _view.Path("global", "view='global'", axes), frozenset()
+    return _Decision(_view.Path("global", "view='global'", axes))
   problem: str | None = None
   reducible: frozenset[int] = frozenset()
   try:
-    for analysis, roles in _analyses(config, layout, call, paired=config.view == "auto"):
+    for analysis, roles, aux in _analyses(config, layout, call,
+                                          paired=config.view == "auto"):
       reducible = analysis.reducible if explicit else frozenset()
       blockers = [*analysis.blockers,
                   *([layout.device_blocker] if layout.device_blocker else [])]
@@ -690,27 +700,27 @@ def _decide(config: _Config, layout: sync.Layout, call: _Call) -> tuple[
           raise ValueError(
               f"view='device' cannot run this loss per device: {blockers[0]}. Use "
               "view='auto' (the default) or view='global'.")
-        return _view.Path("device", "view='device'", axes), reducible
+        return _Decision(_view.Path("device", "view='device'", axes), reducible, aux)
       if config.view == "global":
-        return _view.Path("global", "view='global'", axes), reducible
+        return _Decision(_view.Path("global", "view='global'", axes), reducible)
       found, what = _view.classify(analysis.outputs, roles, config.loss_reduction)
       if not blockers and found is None:
-        return _view.Path("device", f"the loss is a {what} of per-example terms", axes), \
-            reducible
+        return _Decision(_view.Path(
+            "device", f"the loss is a {what} of per-example terms", axes), reducible, aux)
       problem = problem or (blockers[0] if blockers else found)
       if blockers:  # no other trace removes a blocker
         break
   except NameError as err:  # a collective over an axis that only the device view binds
     if config.view == "device":
-      return _view.Path("device", "view='device'", axes), frozenset()
+      return _Decision(_view.Path("device", "view='device'", axes))
     raise ValueError(
         f"The loss does not run on the global micro-batch ({_first_line(err)}). A loss "
         "that names the data axes in collectives (e.g. flax BatchNorm(axis_name=...), "
         "jax.lax.pmean(x, 'data')) runs only per device: pass view='device'.") from err
   except _NoDeviceTrace as err:
     problem = problem or str(err)
-  return _view.Path("global", problem or "no proof that per-device results add up", axes), \
-      reducible
+  return _Decision(_view.Path(
+      "global", problem or "no proof that per-device results add up", axes), reducible)
 
 
 class _NoDeviceTrace(Exception):
@@ -719,7 +729,8 @@ class _NoDeviceTrace(Exception):
 
 def _analyses(config: _Config, layout: sync.Layout, call: _Call, paired: bool):
   """:func:`fxaccum._analysis.analyze` of one micro-step (the loss, its aux and state, and
-  its gradients), with each output's role: ``(analysis, roles)`` pairs, generated lazily.
+  its gradients), with each output's role and the traced aux: ``(analysis, roles, aux)``,
+  generated lazily.
 
   With ``paired``, the step is first traced with a *symbolic* number of rows: a proof on
   that jaxpr holds for every number of rows, so for the global micro-batch and for each
@@ -764,7 +775,7 @@ def _analyses(config: _Config, layout: sync.Layout, call: _Call, paired: bool):
         closed, rows=rows, batch_inputs=range(n_diff, n_diff + n_micro),
         param_inputs=range(n_diff), partner=partner,
         partner_rows=rows // devices if partner is not None else None), _roles(
-            closed, aux, state, sown, n_diff, n_micro)
+            closed, aux, state, sown, n_diff, n_micro), aux
 
   if paired:
     (symbol,) = jax.export.symbolic_shape("rows")
@@ -774,7 +785,10 @@ def _analyses(config: _Config, layout: sync.Layout, call: _Call, paired: bool):
     except Exception:  # noqa: BLE001 - not traceable for any number of rows: pair two
       traced = None
     if traced is not None:
-      yield analysis(traced, symbol)
+      result = analysis(traced, symbol)
+      yield result
+      if not result[0].sized_positions:  # concrete sizes would find the same
+        return
   try:
     traced = jax.make_jaxpr(step, return_shape=True)(leaves, micro, call.state)
   except Exception as err:  # noqa: BLE001 - retried without data axes, else re-raised
@@ -843,8 +857,10 @@ def _gathered(leaf: Any, data_axes: tuple[str, ...], batch: bool = False) -> Any
 # The two views
 
 
-def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call):
-  """Per-device view: a shard_map manual over the data axes, one reduction after the loop."""
+def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call,
+            traced_aux: Any = None):
+  """Per-device view: a shard_map manual over the data axes, one reduction after the loop.
+  ``traced_aux``: the aux as the view analysis traced it (its markers), if it did."""
   axes = layout.data_axes
   batch_spec = P(axes)
   rest_specs = tuple(_specs_like(a, batch_spec if i in config.batch_argnums else P())
@@ -874,7 +890,9 @@ def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call)
       [batch_spec] * len(diff_leaves), batch_spec)  # per-device sums and weights
   # Aux sums are reduced (invariant); Concat rows stay with their device, like the batch.
   aux_specs: Any = P()
-  if config.has_aux:
+  if config.has_aux and traced_aux is not None:
+    aux_specs = _aux_specs(traced_aux, batch_spec)
+  elif config.has_aux:
     found: dict[str, Any] = {}
 
     def probe(*args):  # the aux's markers, traced where the loss runs (it may name the
@@ -882,9 +900,8 @@ def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call)
       micro = split.micro_batch(local.batch(config), 0, config.micro_batches)
       full = [sync.gather(x, dims) for x, dims in zip(local.diff_leaves, layout.param_dims,
                                                         strict=True)]
-      aux = local.loss(config, full, micro, 0, local.state)[2]
-      found["specs"] = jax.tree.map(lambda m: batch_spec if isinstance(m, Concat) else P(),
-                                    aux, is_leaf=_is_marker)
+      found["specs"] = _aux_specs(local.loss(config, full, micro, 0, local.state)[2],
+                                  batch_spec)
       return ()
 
     jax.eval_shape(sync.shard_map_keeping_axes(
@@ -899,6 +916,13 @@ def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call)
   with jax.named_scope(_view.record(path)):
     value_aux, grad_leaves, after = region(diff_leaves, rest, arrays, state)
   return value_aux, _package(config, call, grad_leaves), after
+
+
+def _aux_specs(aux: Any, batch_spec: P) -> Any:
+  """The region's out_specs of the aux: Concat rows stay with their device, like the batch;
+  everything else is reduced (invariant)."""
+  return jax.tree.map(lambda m: batch_spec if isinstance(m, Concat) else P(), aux,
+                      is_leaf=_is_marker)
 
 
 def _per_rank(config: _Config, layout: sync.Layout, call: _Call):
@@ -1107,14 +1131,18 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
     total, weight, aux, state, sown = call.loss(config, full, micro, index, state)
     return total, (weight, aux, state, sown)
 
-  # One micro-step's outputs (abstract, with the manual axes each varies over) shape the
-  # accumulators.
-  closed, shapes = jax.make_jaxpr(lambda w, i, s: micro_loss(gathered(w), i, s),
-                                  return_shape=True)(whole, 0, call.state)
+  def step(leaves, index, state):  # one micro-step: value and local gradients
+    return jax.value_and_grad(micro_loss, has_aux=True)(gathered(leaves), index, state)
+
+  # The micro-step is traced once: its outputs (abstract, with the manual axes each varies
+  # over) shape the accumulators, and the loop body runs its jaxpr.
+  closed, shapes = jax.make_jaxpr(step, return_shape=True)(whole, jnp.int32(0), call.state)
   out_def = jax.tree.structure(shapes)
-  total_aval, (weight_aval, aux_avals, _, _) = jax.tree.unflatten(out_def, closed.out_avals)
-  total_axes, (weight_axes, aux_axes, _, _) = jax.tree.unflatten(
+  (total_aval, (weight_aval, aux_avals, _, _)), _ = jax.tree.unflatten(
+      out_def, closed.out_avals)
+  (total_axes, (weight_axes, aux_axes, _, _)), _ = jax.tree.unflatten(
       out_def, _summed_over(closed, axes, batch, presummed))
+  traced_step = jcore.jaxpr_as_fun(closed)
   markers = jax.tree.leaves(aux_avals, is_leaf=_is_marker)
   _warn_batch_shaped(config, call, whole, gather_dims, markers)
   total = acc.summed(total_aval, _ordered(axes, total_axes),
@@ -1129,8 +1157,8 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
 
   def body(carry, index):
     sums_carry, old_state = carry
-    (loss_total, (loss_weight, aux_values, state, sown)), grad_values = jax.value_and_grad(
-        micro_loss, has_aux=True)(gathered(whole), index, old_state)
+    (loss_total, (loss_weight, aux_values, state, sown)), grad_values = jax.tree.unflatten(
+        out_def, traced_step(*jax.tree.leaves((whole, index, old_state))))
     if any(gather_dims):  # the gathered leaves' local gradients, reduce-scattered in buckets
       grad_values = reduce_lib.reduce_leaves(
           grad_values, [(dims, ()) for dims in gather_dims], config.bucket_bytes)

@@ -627,3 +627,32 @@ def test_closure_over_a_traced_value_on_an_explicit_mesh_names_the_fix():
   want = global_micro_batch_reference(lambda w, b: loss(w, b, scale=scale), w, x, 2)
   assert_tree_close(got_closed, want)
   assert_tree_close(got_passed, want)
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
+@pytest.mark.parametrize("case", ["per_example", "mixing", "one_micro_batch"])
+def test_the_loss_is_traced_at_most_twice(case, axis_type):
+  """Per traced call: once for the view analysis (value and gradients, a symbolic number of
+  rows) and once for the loop, whose body runs that trace's jaxpr (a plain-scan step
+  traces it once); k = 1 needs no analysis."""
+  traces = []
+  x = np.random.default_rng(10).normal(size=(ROWS, DIM)).astype(np.float32)
+
+  def loss(w, x):
+    traces.append(1)
+    h = x @ w
+    if case == "mixing":
+      h = h - jnp.mean(h, axis=0)
+    return jnp.mean(h ** 2), {"rows": fxaccum.Concat(jnp.sum(h, -1)), "mean": jnp.mean(h)}
+
+  k = 1 if case == "one_micro_batch" else 4
+  mesh = mesh_of((8,), ("data",), axis_type)
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+    f = jax.jit(fxaccum.value_and_grad(loss, has_aux=True, micro_batches=k))
+    f.lower(np.ones((DIM, 3), np.float32), sharded)
+    traced = len(traces)  # one traced call
+    (path,) = diagnostics.paths(f, np.ones((DIM, 3), np.float32), sharded)
+  assert path.view == {"per_example": "device", "mixing": "global",
+                       "one_micro_batch": "global"}[case], path
+  assert traced == (1 if k == 1 else 2), traces
