@@ -1,15 +1,20 @@
-"""What choosing the view costs: the analysis' share of tracing, and the global-view
-fallback for a loss JAX 0.10.2 cannot run per device.
+"""What choosing the view costs: the analysis' share of tracing, the trace / lower / compile
+time against plain scan for deep models, and the global-view fallback for a loss JAX 0.10.2
+cannot run per device.
 
 Run from the repository root::
 
-  python benchmarks/views.py          # ~1 min on 2 cores; prints two markdown tables
+  python benchmarks/views.py          # a few minutes on 2 cores; prints markdown tables
+  python benchmarks/views.py --layers 8,32,96
 
 1. Trace + lower time of ``jax.jit(fxaccum.value_and_grad(loss, micro_batches=k))`` and of
    ``jax.jit(jax.value_and_grad(loss))`` (the large batch), for the suite's replicated MLP
    and LM (best of 3). fxaccum's analysis traces one micro-step's value and gradients with
    a symbolic number of rows.
-2. A loss that closes over a traced value on an Explicit mesh (JAX 0.10.2: "Closing over
+2. Trace, lower and compile times (seconds, best of 2, fresh functions) of fxaccum at k = 8
+   and of plain ``jit`` + ``lax.scan`` over the same micro-batches, for an MLP of L
+   256-wide layers, unrolled (a Python loop of ``nn.Dense``) and scanned (``nn.scan``).
+3. A loss that closes over a traced value on an Explicit mesh (JAX 0.10.2: "Closing over
    inputs to shard_map where the input is sharded on Explicit axes is not implemented")
    runs in the global view; passed as a keyword argument instead, the same value takes
    the per-device view. ms per call of the replicated MLP at k = 8, interleaved (median
@@ -18,11 +23,14 @@ Run from the repository root::
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import common  # noqa: F401 - first: sets XLA_FLAGS before JAX starts
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from common import DATA, interleaved, layout_mesh, lm_setup, mlp_setup
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -64,6 +72,90 @@ def trace_table() -> str:
   return "\n".join(rows)
 
 
+class Unrolled(nn.Module):
+  layers: int
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.layers):
+      x = jnp.tanh(nn.Dense(x.shape[-1])(x))
+    return x
+
+
+class Layer(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return jnp.tanh(nn.Dense(x.shape[-1])(x)), None
+
+
+class Scanned(nn.Module):
+  layers: int
+
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                    length=self.layers)
+    return stack()(x, None)[0]
+
+
+def plain_scan(loss, k: int):
+  """jit + lax.scan of jax.value_and_grad over k strided micro-batches (users' baseline)."""
+  def step(params, batch):
+    micro = jax.tree.map(lambda a: a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1),
+                         batch)
+    def body(acc, mb):
+      value, grads = jax.value_and_grad(loss)(params, mb)
+      return jax.tree.map(jnp.add, acc, (value, grads)), None
+    zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+    total, _ = jax.lax.scan(body, zeros, micro)
+    return jax.tree.map(lambda t: t / k, total)
+  return step
+
+
+def stage_seconds(make_fn, *args) -> tuple[float, float, float]:
+  """Best of 2 (trace, lower, compile) seconds of ``jax.jit(make_fn())``."""
+  best = [float("inf")] * 3
+  for _ in range(2):
+    fn = jax.jit(make_fn())
+    t0 = time.perf_counter()
+    traced = fn.trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    lowered.compile()
+    t3 = time.perf_counter()
+    best = [min(b, t) for b, t in zip(best, (t1 - t0, t2 - t1, t3 - t2), strict=True)]
+  return best[0], best[1], best[2]
+
+
+def compile_table(layer_counts: list[int], k: int = 8) -> str:
+  mesh = layout_mesh("replicated")
+  rows = ["| model | layers | method | trace s | lower s | compile s | "
+          "trace + lower ÷ plain scan |", "|---|---:|---|---:|---:|---:|---:|"]
+  rng = np.random.default_rng(0)
+  with jax.set_mesh(mesh):
+    batch = jax.device_put({"x": rng.normal(size=(64, 256)).astype(np.float32),
+                            "y": rng.normal(size=(64, 256)).astype(np.float32)},
+                           NamedSharding(mesh, P(DATA)))
+    for name, cls in (("unrolled", Unrolled), ("scanned", Scanned)):
+      for layers in layer_counts:
+        model = cls(layers)
+        params = jax.device_put(jax.jit(model.init)(jax.random.key(0), batch["x"][:1]),
+                                NamedSharding(mesh, P()))
+
+        def fresh(model=model):
+          return lambda p, b: jnp.mean((model.apply(p, b["x"]) - b["y"]) ** 2)
+
+        plain = stage_seconds(lambda: plain_scan(fresh(), k), params, batch)
+        ours = stage_seconds(lambda: fxaccum.value_and_grad(fresh(), micro_batches=k),
+                             params, batch)
+        for method, (t, lo, c) in (("plain scan", plain), ("fxaccum", ours)):
+          ratio = (t + lo) / (plain[0] + plain[1])
+          rows.append(f"| {name} | {layers} | {method} | {t:.2f} | {lo:.2f} | {c:.2f} | "
+                      f"{ratio:.2f} |")
+  return "\n".join(rows)
+
+
 def closure_table(k: int = 8) -> str:
   mesh = layout_mesh("replicated")  # Explicit axes
   setup = mlp_setup(False)
@@ -96,9 +188,14 @@ def closure_table(k: int = 8) -> str:
 
 
 def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--layers", default="8,32", help="layer counts of the compile table")
+  args = parser.parse_args()
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}\n")
   print("Trace + lower (best of 3):\n")
   print(trace_table())
+  print("\nTrace, lower, compile at k = 8 (best of 2):\n")
+  print(compile_table([int(n) for n in args.layers.split(",")]))
   print("\nA traced value on an Explicit mesh, replicated MLP, k = 8:\n")
   print(closure_table())
 
