@@ -133,14 +133,14 @@ def compile_table(layer_counts: list[int], k: int = 8) -> str:
   rows = ["| model | layers | method | trace s | lower s | compile s | "
           "trace + lower ÷ plain scan |", "|---|---:|---|---:|---:|---:|---:|"]
   rng = np.random.default_rng(0)
+  host = {"x": rng.normal(size=(64, 256)).astype(np.float32),
+          "y": rng.normal(size=(64, 256)).astype(np.float32)}
   with jax.set_mesh(mesh):
-    batch = jax.device_put({"x": rng.normal(size=(64, 256)).astype(np.float32),
-                            "y": rng.normal(size=(64, 256)).astype(np.float32)},
-                           NamedSharding(mesh, P(DATA)))
+    batch = jax.device_put(host, NamedSharding(mesh, P(DATA)))
     for name, cls in (("unrolled", Unrolled), ("scanned", Scanned)):
       for layers in layer_counts:
         model = cls(layers)
-        params = jax.device_put(jax.jit(model.init)(jax.random.key(0), batch["x"][:1]),
+        params = jax.device_put(jax.jit(model.init)(jax.random.key(0), host["x"][:1]),
                                 NamedSharding(mesh, P()))
 
         def fresh(model=model):
