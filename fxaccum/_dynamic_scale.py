@@ -23,9 +23,9 @@ from flax.training import dynamic_scale as dynamic_scale_lib
 from jax import lax
 
 from fxaccum import _instep
-from fxaccum._weighted import Weighted
+from fxaccum._weighted import Weighted, all_finite
 
-__all__ = ["DynamicScale", "all_finite", "updated"]
+__all__ = ["DynamicScale", "updated"]
 
 
 class DynamicScale(dynamic_scale_lib.DynamicScale):
@@ -84,14 +84,6 @@ class DynamicScale(dynamic_scale_lib.DynamicScale):
       return dynamic_scale_lib.DynamicScaleResult(updated(self, finite), finite, value, grads)
 
     return scaled_grad_fn
-
-
-def all_finite(tree: Any) -> jax.Array:
-  """Whether every element of every leaf of ``tree`` is finite."""
-  finite = jnp.array(True)
-  for leaf in jax.tree.leaves(tree):
-    finite &= jnp.all(jnp.isfinite(leaf))
-  return finite
 
 
 def updated(scale: dynamic_scale_lib.DynamicScale, finite: jax.Array) -> Any:

@@ -35,7 +35,15 @@ from fxaccum import _analysis, _nnx, _view
 from fxaccum import _reduce as reduce_lib
 from fxaccum import _split as split
 from fxaccum import _sync as sync
-from fxaccum._weighted import Concat, State, Sum, Weighted, safe_divide, weight_dtype
+from fxaccum._weighted import (
+    Concat,
+    State,
+    Sum,
+    Weighted,
+    all_finite,
+    safe_divide,
+    weight_dtype,
+)
 
 __all__ = ["value_and_grad", "grad"]
 
@@ -1165,8 +1173,7 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
     values = [grad_values, loss_total, loss_weight,
               jax.tree.leaves(aux_values, is_leaf=_is_marker), jnp.zeros((), jnp.int32)]
     if config.skip_nonfinite:  # a non-finite micro-batch contributes nothing
-      good = jnp.isfinite(loss_total) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g))
-                                                             for g in grad_values]))
+      good = all_finite((loss_total, grad_values))
       values, state = _drop_unless(good, values, state, old_state)
       loss_weight = values[2]
     threaded = iter(state[1])  # a State aux is the threaded value the loop carries on

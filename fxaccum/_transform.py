@@ -30,8 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from fxaccum import _split as split
 from fxaccum import _sync as sync
-from fxaccum._dynamic_scale import all_finite
-from fxaccum._weighted import safe_divide
+from fxaccum._weighted import all_finite, safe_divide
 
 __all__ = ["AccumulateState", "accumulate", "apply_gradients", "is_boundary"]
 
@@ -481,9 +480,7 @@ def _add(config: _Config, state: AccumulateState, grads: Any, weight: Any,
   if config.skip_nonfinite:
     # One flag for the whole call (a reduction over devices under deferred sync, as in
     # MultiSteps): the call is dropped as if it never happened.
-    good = jnp.all(valid_weight)
-    for leaf in jax.tree.leaves(added):
-      good &= jnp.all(jnp.isfinite(leaf))
+    good = jnp.all(valid_weight) & all_finite(added)
     added = jax.tree.map(lambda a: jnp.where(good, a, 0), added)
     weight = jnp.where(good, weight, 0)
     skipped = skipped + (~good).astype(skipped.dtype)

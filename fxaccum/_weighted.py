@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Concat", "State", "Sum", "Weighted", "safe_divide", "weight_dtype"]
+__all__ = ["Concat", "State", "Sum", "Weighted", "all_finite", "safe_divide", "weight_dtype"]
 
 
 @jax.tree_util.register_dataclass
@@ -140,6 +140,14 @@ def weight_dtype(weight: Any) -> jnp.dtype:
   if jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_):
     return jnp.dtype(jnp.int32)
   return jnp.dtype(jnp.float32)
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every element of every leaf of ``tree`` is finite (one boolean scalar)."""
+  finite = jnp.array(True)
+  for leaf in jax.tree.leaves(tree):
+    finite &= jnp.all(jnp.isfinite(leaf))
+  return finite
 
 
 def safe_divide(numerator: Any, denominator: Any) -> jax.Array:
