@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from fxaccum import _accumulators as acc
 from fxaccum import _analysis, _nnx, _view
+from fxaccum import _gather as gather_lib
 from fxaccum import _reduce as reduce_lib
 from fxaccum import _split as split
 from fxaccum import _sync as sync
@@ -48,6 +49,7 @@ from fxaccum._weighted import (
 __all__ = ["value_and_grad", "grad"]
 
 FsdpReduce = Literal["per_micro_batch", "per_step"]
+FsdpGather = Literal["per_step", "per_micro_batch"]
 LossReduction = Literal["mean", "sum"]
 # The returned function takes fun's own parameters; its result is (value, grads), with
 # value = (loss, aux) for has_aux=True, as jax.value_and_grad's.
@@ -64,6 +66,7 @@ class _Options(TypedDict, total=False):
   rng_argnums: int | Sequence[int]
   state_argnums: int | Sequence[int]
   fsdp_reduce: FsdpReduce
+  fsdp_gather: FsdpGather
   bucket_bytes: int | None
   reduce: bool
   view: _view.View
@@ -103,6 +106,7 @@ def value_and_grad(
     rng_argnums: int | Sequence[int] = (),
     state_argnums: int | Sequence[int] = (),
     fsdp_reduce: FsdpReduce = "per_micro_batch",
+    fsdp_gather: FsdpGather = "per_step",
     bucket_bytes: int | None = reduce_lib.BUCKET_BYTES,
     reduce: bool = True,
     view: _view.View = "auto",
@@ -151,7 +155,10 @@ def value_and_grad(
   over a data axis (FSDP) keep their sharding: in the per-device view they are gathered
   per micro-batch and their gradients reduce-scattered per micro-batch
   (``fsdp_reduce="per_micro_batch"``, memory-optimal), or gathered once with one
-  reduce-scatter per step (``"per_step"``).
+  reduce-scatter per step (``"per_step"``). ``fsdp_gather="per_micro_batch"`` (ZeRO-3)
+  gathers each FSDP param where the loss uses it, one layer at a time inside a scan over
+  stacked layers, and again in the backward pass, so no whole param stays live through
+  the step.
 
   Randomness: keys at ``rng_argnums`` are replaced, for micro-batch ``i``, by
   ``jax.random.fold_in(key, i)``, so dropout differs between micro-batches.
@@ -176,6 +183,12 @@ def value_and_grad(
       plain aux leaf is averaged over the micro-batches.)
     fsdp_reduce: for params sharded over a data axis: ``"per_micro_batch"`` (default) or
       ``"per_step"``.
+    fsdp_gather: for params sharded over a data axis, in the per-device view:
+      ``"per_step"`` (default: gathered once, the compiler hoists the gathers above the
+      loop) or ``"per_micro_batch"`` (gathered at each use in each micro-batch and again
+      in the backward pass, twice the gather traffic per micro-batch, peak memory
+      independent of the whole params' size; needs ``fsdp_reduce="per_micro_batch"``).
+      See docs/performance.md, "ZeRO-3 gathering".
     bucket_bytes: in the per-device view, gradient leaves that are reduced the same way
       are reduced together, one collective per bucket of at most this many bytes (2 MiB
       by default; ``None``: one bucket; ``0``: one collective per leaf), as PyTorch DDP's
@@ -229,7 +242,8 @@ def value_and_grad(
       fun, argnums, has_aux, micro_batches=micro_batches, batch_argnums=batch_argnums,
       data_axes=data_axes, accum_dtype=accum_dtype, rng_argnums=rng_argnums,
       state_argnums=state_argnums,
-      fsdp_reduce=fsdp_reduce, bucket_bytes=bucket_bytes, reduce=reduce, view=view,
+      fsdp_reduce=fsdp_reduce, fsdp_gather=fsdp_gather, bucket_bytes=bucket_bytes,
+      reduce=reduce, view=view,
       param_shardings=param_shardings,
       skip_nonfinite=skip_nonfinite, loss_reduction=loss_reduction)
   compiled: dict[Any, Callable[..., Any]] = {}  # one jitted program per layout (eager calls)
@@ -275,8 +289,9 @@ def grad(
 
 
 def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, data_axes,
-                 accum_dtype, rng_argnums, state_argnums, fsdp_reduce, bucket_bytes, reduce,
-                 view, param_shardings, skip_nonfinite, loss_reduction) -> _Config:
+                 accum_dtype, rng_argnums, state_argnums, fsdp_reduce, fsdp_gather,
+                 bucket_bytes, reduce, view, param_shardings, skip_nonfinite,
+                 loss_reduction) -> _Config:
   """Validates ``value_and_grad``'s arguments (all static) into a :class:`_Config`."""
   micro_batches = split.check_micro_batches(micro_batches)
   argnums, filters = _nnx.argnums_and_filters(argnums)
@@ -308,11 +323,17 @@ def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, data_ax
         "state_argnums needs has_aux=True: the loss returns each threaded argument's new "
         "value in its aux, as fxaccum.State(new_value).")
   choices = (("fsdp_reduce", fsdp_reduce, ("per_micro_batch", "per_step")),
+             ("fsdp_gather", fsdp_gather, ("per_step", "per_micro_batch")),
              ("view", view, ("auto", "global", "device")),
              ("loss_reduction", loss_reduction, ("mean", "sum")))
   for name, value, allowed in choices:
     if value not in allowed:
       raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+  if fsdp_gather == "per_micro_batch" and fsdp_reduce == "per_step":
+    raise ValueError(
+        "fsdp_gather='per_micro_batch' needs fsdp_reduce='per_micro_batch': a gradient "
+        "reduced once per step is summed whole on every device, which is the memory "
+        "per-use gathering saves. Drop fsdp_reduce='per_step'.")
   if loss_reduction == "sum" and not reduce:
     raise ValueError(
         "loss_reduction='sum' with reduce=False: cross-step accumulation averages its calls "
@@ -334,7 +355,7 @@ def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, data_ax
       rng_argnums=rng_argnums_t, state_argnums=state_argnums_t,
       data_axes=None if data_axes is None else _as_axes(data_axes),
       param_shardings=param_shardings, accum_dtype=accum_dtype, fsdp_reduce=fsdp_reduce,
-      bucket_bytes=bucket_bytes,
+      fsdp_gather=fsdp_gather, bucket_bytes=bucket_bytes,
       reduce=bool(reduce), view=view, skip_nonfinite=bool(skip_nonfinite),
       loss_reduction=loss_reduction)
 
@@ -444,6 +465,7 @@ class _Config:
   param_shardings: tuple[Any, ...] | None  # one tree per differentiated argument
   accum_dtype: Any
   fsdp_reduce: FsdpReduce
+  fsdp_gather: FsdpGather
   bucket_bytes: int | None
   reduce: bool
   view: _view.View
@@ -637,12 +659,24 @@ def _run(config: _Config, layout: sync.Layout, kwargs: dict, modules: _nnx.Modul
               "data axes, can take view='auto' or view='global' instead.)") from err
         path = dataclasses.replace(path, view="global", reason=_no_device_reason(err))
     if value_aux is None:
+      _warn_gathered_by_the_compiler(config, layout, path)
       value_aux, grads, after = _global(config, layout, path, reducible, call)
   if config.single_argnum and not isinstance(grads, sync.Unreduced):
     grads = grads[0]
   keep_aux = config.has_aux or config.skip_nonfinite
   result = (value_aux, grads) if keep_aux else (value_aux[0], grads)
   return result, after
+
+
+def _warn_gathered_by_the_compiler(config: _Config, layout: sync.Layout,
+                                   path: _view.Path) -> None:
+  """fsdp_gather='per_micro_batch' gathers in the per-device view only."""
+  if config.fsdp_gather == "per_micro_batch" and any(layout.param_dims):
+    warnings.warn(
+        f"fsdp_gather='per_micro_batch' has no effect on this step: it runs in the global "
+        f"view ({path.reason}), where the compiler places the FSDP gathers (above the "
+        "micro-batch loop). view='device' gathers each param where it is used, if the "
+        "loss may run per device.", stacklevel=4)
 
 
 def _direct(config: _Config, layout: sync.Layout, call: _Call) -> Any:
@@ -1139,7 +1173,12 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
     total, weight, aux, state, sown = call.loss(config, full, micro, index, state)
     return total, (weight, aux, state, sown)
 
+  per_use = config.fsdp_gather == "per_micro_batch" and any(gather_dims)
+
   def step(leaves, index, state):  # one micro-step: value and local gradients
+    if per_use:  # the shards tied to the loop index: no gather is hoisted above the loop
+      leaves, _ = lax.optimization_barrier((leaves, index))
+      return gather_lib.value_and_grad(micro_loss, leaves, gather_dims, index, state)
     return jax.value_and_grad(micro_loss, has_aux=True)(gathered(leaves), index, state)
 
   # The micro-step is traced once: its outputs (abstract, with the manual axes each varies
@@ -1167,7 +1206,7 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
     sums_carry, old_state = carry
     (loss_total, (loss_weight, aux_values, state, sown)), grad_values = jax.tree.unflatten(
         out_def, traced_step(*jax.tree.leaves((whole, index, old_state))))
-    if any(gather_dims):  # the gathered leaves' local gradients, reduce-scattered in buckets
+    if any(gather_dims) and not per_use:  # local gradients, reduce-scattered in buckets
       grad_values = reduce_lib.reduce_leaves(
           grad_values, [(dims, ()) for dims in gather_dims], config.bucket_bytes)
     values = [grad_values, loss_total, loss_weight,
