@@ -217,6 +217,9 @@ def lm_setup(quick: bool) -> dict[str, Any]:
   params = jax.jit(model.init)(jax.random.key(0), data["inputs"][:1])
 
   def loss_fn(params, batch):
+    # FSDP on an Explicit mesh: the params flax's own layers use are gathered first, as a
+    # user writes it (a no-op for replicated params and inside fxaccum's device view).
+    params = jax.tree.map(lambda p: _gathered(p, DATA), params)
     logits = model.apply(params, batch["inputs"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 

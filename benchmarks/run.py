@@ -97,7 +97,7 @@ import fxaccum
 from fxaccum import diagnostics
 
 PIPELINE = "pipeline"  # fxaccum.pipeline against the same model without one (pipeline.py)
-SETUPS = ("replicated/mlp", "replicated/lm", "fsdp/mlp", "data_x_model/mlp",
+SETUPS = ("replicated/mlp", "replicated/lm", "fsdp/mlp", "fsdp/lm", "data_x_model/mlp",
           "replicated/bn_mlp", "replicated_auto/bn_mlp")
 # the lm compiles slowly
 QUICK_SETUPS = ("replicated/mlp", "fsdp/mlp", "data_x_model/mlp", "replicated/bn_mlp")

@@ -56,9 +56,11 @@ def value_and_grad(fun: Callable[..., Any], shards: Sequence[Any],
   where it is used. Returns ``((value, aux), grads)``, the grads of sharded leaves
   reduce-scattered (summed over their axes), the others local partial sums.
   """
-  full = jax.eval_shape(lambda s: [sync.gather(x, d) for x, d in zip(s, dims, strict=True)],
-                        list(shards))
-  closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(full, *args)
+  # The whole params' types, with the manual axes they vary over. (Not eval_shape: JAX
+  # 0.10.2 rejects its ShapeDtypeStructs as arguments inside a partly manual region.)
+  full = jax.make_jaxpr(lambda s: [sync.gather(x, d) for x, d in zip(s, dims, strict=True)])(
+      list(shards)).out_avals
+  closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(list(full), *args)
   arg_leaves = jax.tree.leaves(args)
 
   def run(shards):

@@ -509,7 +509,7 @@ class _Call:
     after = None
     if self.modules is not None:
       call_args, after = self.modules.merged(call_args, module_state)
-    with jax.named_scope("fxaccum_compute"):
+    with jax.named_scope("fxaccum_compute"), sync.linen_rules_without_manual_axes():
       out = config.fun(*call_args, **self.kwargs)
     module_state, sown = after() if after is not None else ((), ())
     loss, aux = _split_output(out, config.has_aux)

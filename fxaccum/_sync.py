@@ -26,22 +26,25 @@ Layout detection (``data_axes=None``):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.linen import partitioning as nn_partitioning
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "CONVENTIONAL_DATA_AXES", "Layout", "Unreduced", "conform", "find_mesh", "gather",
-    "known_spec", "plan", "reduce", "shard_map_keeping_axes", "spec_axes", "spec_entry",
-    "tracks_varying", "vary", "varying_axes",
+    "known_spec", "linen_rules_without_manual_axes", "plan", "reduce",
+    "shard_map_keeping_axes", "spec_axes", "spec_entry", "tracks_varying", "vary",
+    "varying_axes",
 ]
 
 #: Auto mesh axes assumed to carry the batch when JAX cannot show its sharding.
@@ -194,6 +197,30 @@ def manual_axes() -> set[str]:
   """The mesh axes that are manual where this is traced (inside a ``shard_map``)."""
   mesh = jax.sharding.get_abstract_mesh()
   return _manual_axes(mesh) if mesh.axis_names else set()
+
+
+@contextlib.contextmanager
+def linen_rules_without_manual_axes() -> Iterator[None]:
+  """flax linen's logical axis rules with the axes that are manual here mapped to nothing.
+
+  A linen param made with ``nn.with_logical_partitioning`` constrains its sharding on every
+  ``apply`` (flax checks the param against its init function, under the active
+  ``nn_partitioning.axis_rules``). Inside the per-device region the data axes are manual
+  and a constraint naming them is an error, although the per-device value is whole there.
+  """
+  rules = nn_partitioning.get_axis_rules()
+  manual = manual_axes()
+  if not rules or not manual:
+    yield
+    return
+
+  def kept(target):
+    names = (target,) if isinstance(target, str) else tuple(target or ())
+    names = tuple(a for a in names if a not in manual)
+    return names[0] if len(names) == 1 else names or None
+
+  with nn_partitioning.axis_rules(tuple((name, kept(target)) for name, target in rules)):
+    yield
 
 
 def _batch_varying(batch_leaves: Sequence[Any]) -> set[str]:

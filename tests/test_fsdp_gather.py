@@ -183,3 +183,51 @@ def test_a_step_in_the_global_view_warns_that_it_gathers_per_step():
   params, data = make_params(), make_data(k=2)
   with jax.set_mesh(mesh), pytest.warns(UserWarning, match="has no effect on this step"):
     step(put(params, mesh, MLP_SPECS), put(data, mesh, DATA))
+
+
+class LogicalMLP(nn.Module):
+  """Kernels annotated with logical axes, as flax's lm1b and wmt examples write them
+  (nn.DenseGeneral, as in their attention projections, re-boxes its kernel in its init)."""
+
+  @nn.compact
+  def __call__(self, x):
+    init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+    x = nn.gelu(nn.DenseGeneral(32, kernel_init=init)(x))
+    x = nn.gelu(nn.Dense(16, kernel_init=init)(x))
+    return nn.Dense(1)(x)[..., 0]
+
+
+@pytest.mark.parametrize("gather", ["per_step", "per_micro_batch"])
+def test_linen_logical_partitioning_runs_per_device(gather):
+  """A linen model whose params carry logical partitioning constrains them on every apply
+  under nn_partitioning.axis_rules; inside the per-device region the data axes are manual,
+  so fxaccum maps them out of the rules there. The step takes the device view (it fell
+  back to the global view before) and matches jax.value_and_grad on the whole batch."""
+  from flax.linen import partitioning as nn_partitioning
+
+  rules = (("embed", "fsdp"), ("mlp", "tensor"))  # lm1b's rules and mesh axes
+  mesh = jax.make_mesh((2, 4, 1), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+  model = LogicalMLP()
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(64, 16)).astype(np.float32)
+  y = rng.normal(size=(64,)).astype(np.float32)
+  abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), x[:1]))
+  logical = nn.get_partition_spec(abstract)["params"]
+
+  def loss(p, b):
+    return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+  with jax.set_mesh(mesh), nn_partitioning.axis_rules(rules):
+    shardings = nn.logical_to_mesh_sharding(logical, mesh, rules)
+    params = nn.meta.unbox(jax.jit(lambda: model.init(jax.random.key(0), x[:1])["params"],
+                                   out_shardings=shardings)())
+    specs = jax.tree.map(lambda s: s.spec, shardings,
+                         is_leaf=lambda s: isinstance(s, NamedSharding))
+    batch = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P(("data", "fsdp"))))
+    step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=2, param_shardings=specs,
+                                          fsdp_gather=gather))
+    rep = diagnostics.report(step, params, batch)
+    got = step(params, batch)
+  assert [p.view for p in rep.paths] == ["device"], rep.paths
+  assert rep.select("all-gather", axes="fsdp"), rep.summary()
+  assert_tree_close(got, jax.value_and_grad(loss)(nn.meta.unbox(params), {"x": x, "y": y}))

@@ -147,7 +147,9 @@ def test_one_data_reduction_and_one_permute_per_iteration():
   _, (step, args, mesh) = run(stages, k)
   report = fxaccum.diagnostics.report(step, *args, mesh=mesh)
   assert report.reductions("loop", axes="data") == []
-  assert report.reductions("top", axes="data")  # the stage gradients' one reduction
+  # The stage gradients (and the loss) in one data-axis reduction: all-reduces, which XLA
+  # combines (fxaccum's buckets are for reduce-scatters, which XLA:CPU does not).
+  assert len(report.reductions("top", axes="data")) == 1, report.summary()
   permutes = report.select("collective-permute")
   # one in the forward scan, one in its transpose, each run once per iteration
   assert len(permutes) == 2
