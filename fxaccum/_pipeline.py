@@ -17,7 +17,7 @@ backward loop, once per iteration.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,10 @@ from jax.sharding import PartitionSpec as P
 from fxaccum import _split as split
 from fxaccum import _sync as sync
 
-__all__ = ["bubble_fraction", "pipeline"]
+__all__ = ["SCHEDULES", "Schedule", "bubble_fraction", "pipeline"]
+
+Schedule = Literal["gpipe", "circular"]
+SCHEDULES = ("gpipe", "circular")
 
 
 def pipeline(
@@ -39,11 +42,15 @@ def pipeline(
     stage_axis: str = "stage",
     data_axes: str | tuple[str, ...] | None = None,
     remat: bool = True,
+    schedule: Schedule = "gpipe",
+    repeats: int = 1,
 ) -> Any:
-  """Runs ``stage_fn`` stage after stage over the ``stage_axis`` devices, GPipe-style.
+  """Runs ``stage_fn`` stage after stage over the ``stage_axis`` devices.
 
   Equal, up to float rounding, to the plain loop
-  ``for s in range(S): x = stage_fn(stage_params[s], x)``, and differentiable: call it
+  ``for s in range(S): x = stage_fn(stage_params[s], x)`` (``schedule="gpipe"``), or
+  ``for v in range(R * S): x = stage_fn(stage_params[v // S, v % S], x)``
+  (``schedule="circular"``, ``repeats=R``), and differentiable: call it
   inside a loss (e.g. between the embedding and the head) and take ``jax.grad`` or
   ``fxaccum.value_and_grad`` of that loss. The gradient of ``stage_params`` is
   accumulated per stage over the micro-batches inside the loop and reduced over the data
@@ -56,7 +63,9 @@ def pipeline(
     stage_params: a pytree whose leaves have a leading dimension ``S``, the mesh size of
       ``stage_axis``; leaf ``[s]`` belongs to stage ``s``. Shard them over
       ``stage_axis`` on that dimension (other dimensions may be sharded over other axes,
-      e.g. tensor-parallel ``model``).
+      e.g. tensor-parallel ``model``). With ``schedule="circular"`` the leaves have two
+      leading dimensions ``(R, S)``, the ``S`` one sharded over ``stage_axis``: virtual
+      stage ``v = r * S + s`` uses ``leaf[r, s]`` and runs on device ``s``.
     x: the activations (an array or pytree), batch on axis 0 of every leaf, sharded over
       the data axes (or not at all). The result has ``x``'s shapes and sharding.
     micro_batches: ``k``, the number of micro-batches streamed through the stages. Each
@@ -68,14 +77,22 @@ def pipeline(
       conventional names ``data``, ``fsdp``, ...), ``()`` for none.
     remat: recompute each stage in the backward pass, storing only the stage inputs
       (``jax.checkpoint``), instead of every intermediate of every iteration.
+    schedule: ``"gpipe"`` (default): each micro-batch passes the ``S`` stages once, in
+      ``k + S - 1`` iterations. ``"circular"`` (interleaved stages, MaxText's
+      ``num_pipeline_repeats``): each device holds ``R`` stages, every micro-batch goes
+      round the ring of devices ``R`` times, in ``k * R + S - 1`` iterations, so the
+      bubble is ``(S - 1) / (k * R + S - 1)``; needs ``k >= S`` when ``R > 1``.
+    repeats: ``R``, the stages per device of the circular schedule (1 for GPipe).
 
   Returns:
     ``y``, the output of the last stage, with ``x``'s shape, dtype and sharding.
 
   Raises:
-    ValueError: no mesh or no ``stage_axis`` in it, leaves whose leading dimension is not
-      ``S``, ``micro_batches < 1``, a batch that does not split into ``k`` micro-batches
-      per data device, or a ``stage_fn`` that changes the activations' shapes or dtypes.
+    ValueError: no mesh or no ``stage_axis`` in it, leaves whose leading dimensions are not
+      ``S`` (``(R, S)`` for the circular schedule), ``micro_batches < 1``, a batch that
+      does not split into ``k`` micro-batches per data device, a ``stage_fn`` that changes
+      the activations' shapes or dtypes, an unknown ``schedule``, ``repeats`` with GPipe,
+      or a circular schedule with fewer micro-batches than stages.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -90,16 +107,22 @@ def pipeline(
     24.0
   """
   k = split.check_micro_batches(micro_batches)
+  repeats = _check_schedule(schedule, repeats, k)
   mesh, stages, axes = _layout(stage_params, x, stage_axis, data_axes)
-  _check_params(stage_params, stages, stage_axis)
+  if schedule == "circular" and repeats > 1 and k < stages:
+    raise ValueError(
+        f"schedule='circular' needs micro_batches >= the {stages} stages (got "
+        f"{k}): a micro-batch leaving the last stage waits at stage 0 until its next round; "
+        f"use micro_batches={stages} or more, or repeats=1.")
+  leading = (repeats, stages) if schedule == "circular" else (stages,)
+  _check_params(stage_params, leading, stage_axis)
   devices = 1
   for axis in axes:
     devices *= mesh.shape[axis]
   split.leading_size(x, k, devices)
-  run = jax.checkpoint(stage_fn) if remat else stage_fn
-  body = _gpipe(run, k, stages, stage_axis, axes)
+  body = _scheduled(stage_fn, remat, k, stages, repeats, len(leading) == 2, stage_axis, axes)
   manual = (stage_axis, *axes)
-  param_spec, x_spec = P(stage_axis), P(axes or None)
+  param_spec, x_spec = P(*(None,) * (len(leading) - 1), stage_axis), P(axes or None)
   # On Explicit mesh axes shard_map wants the arguments typed like its in_specs.
   stage_params = jax.tree.map(lambda p: sync.conform(p, param_spec, manual), stage_params)
   x = jax.tree.map(lambda a: sync.conform(a, x_spec, manual), x)
@@ -109,32 +132,66 @@ def pipeline(
       out_specs=x_specs, axis_names=set(manual))(stage_params, x)
 
 
-def bubble_fraction(stages: int, micro_batches: int) -> float:
-  """The idle fraction of a GPipe schedule: ``(S - 1) / (k + S - 1)``.
+def bubble_fraction(stages: int, micro_batches: int, *, schedule: Schedule = "gpipe",
+                    repeats: int = 1) -> float:
+  """The idle fraction of a pipeline schedule: ``(S - 1) / (k * R + S - 1)``.
 
-  Each of the ``S`` stages is busy in ``k`` of the ``k + S - 1`` iterations.
+  Each of the ``S`` devices is busy in ``k * R`` of the ``k * R + S - 1`` iterations
+  (``R = repeats`` stages per device with ``schedule="circular"``, 1 with GPipe).
 
   Example:
     >>> import fxaccum
     >>> fxaccum.diagnostics.bubble_fraction(4, 8)
     0.2727272727272727
+    >>> round(fxaccum.diagnostics.bubble_fraction(4, 8, schedule="circular", repeats=2), 3)
+    0.158
   """
   stages = split.check_micro_batches(stages, "stages")
   k = split.check_micro_batches(micro_batches)
-  return (stages - 1) / (k + stages - 1)
+  repeats = _check_schedule(schedule, repeats, k)
+  return (stages - 1) / (k * repeats + stages - 1)
 
 
-def _gpipe(run: Callable, k: int, stages: int, stage_axis: str,
-           axes: tuple[str, ...]) -> Callable:
-  """The per-device body: one scan of ``k + S - 1`` iterations, one permute each."""
+def _check_schedule(schedule: Any, repeats: Any, k: int) -> int:
+  if schedule not in SCHEDULES:
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
+  if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    raise ValueError(f"repeats must be a positive int (stages per device), got {repeats!r}.")
+  if schedule == "gpipe" and repeats != 1:
+    raise ValueError(
+        f"repeats={repeats} needs schedule='circular' (GPipe runs one stage per device).")
+  return repeats
+
+
+def _scheduled(stage_fn: Callable, remat: bool, k: int, stages: int, repeats: int,
+               nested: bool, stage_axis: str, axes: tuple[str, ...]) -> Callable:
+  """The per-device body: one scan of ``k * R + S - 1`` iterations.
+
+  In iteration ``t`` device ``s`` works on item ``j = t - s`` (idle unless
+  ``0 <= j < k * R``): micro-batch ``j % k`` in round ``r = j // k``, with the params of
+  virtual stage ``r * S + s``. Each iteration hands every output to the next device (one
+  collective-permute). GPipe (``R = 1``) sends ``s -> s + 1`` only. The circular schedule
+  also sends the last device's output back to device 0, which keeps it in a buffer of one
+  slot per micro-batch until its next round (``k >= S`` iterations later). ``nested``:
+  the params have the circular schedule's leading ``(R, S)`` dimensions.
+  """
   last = stages - 1
-  ring = [(s, (s + 1) % stages) for s in range(stages)]
+  circular = repeats > 1
+  ring = [(s, (s + 1) % stages) for s in range(stages if circular else last)]
+
+  def apply(params, r, h):
+    # The round's params are picked inside the checkpoint: the backward pass then keeps
+    # r per iteration, not a copy of the stage's params.
+    return stage_fn(jax.tree.map(lambda leaf: _index(leaf, r), params), h)
+
+  run = jax.checkpoint(apply) if remat else apply
 
   def body(params, x):
-    params = jax.tree.map(lambda leaf: leaf[0], params)
     # Both casts sit before the loop, so their transposes (the data-axis sum of the param
     # gradients, the stage-axis sum of x's gradient) run once, after it.
-    params = sync.vary(params, axes)
+    # This device's stages, (R, ...) per leaf: leaf[r] is virtual stage r * S + s.
+    params = sync.vary(jax.tree.map(lambda leaf: leaf[:, 0] if nested else leaf[None, 0],
+                                    params), axes)
     x = sync.vary(x, (stage_axis,))
     stage = lax.axis_index(stage_axis)
     inputs = jax.tree.map(_to_micro_batches(k), x)
@@ -145,20 +202,36 @@ def _gpipe(run: Callable, k: int, stages: int, stage_axis: str,
     first = jax.tree.map(lambda leaf: leaf[0], inputs)
 
     def iteration(carry, t):
-      received, outputs = carry
-      fresh = jax.tree.map(lambda m: _index(m, jnp.minimum(t, k - 1)), inputs)
+      received, waiting, outputs = carry
+      item = t - stage
+      m = jnp.clip(item, 0, k * repeats - 1) % k
+      fresh = jax.tree.map(lambda a: _index(a, m), inputs)
+      if circular:
+        # Device 0 keeps what the last device finished in iteration t - 1 (item
+        # t - S) for its next round, then starts item t: micro-batch t % k, fresh in
+        # round 0, else the one kept k - S + 1 or more iterations ago.
+        back = t - stages
+        slot = jnp.clip(back, 0, k * repeats - 1) % k
+        keep = (stage == 0) & (back >= 0) & (back < k * (repeats - 1))
+        waiting = jax.tree.map(lambda w, v: lax.dynamic_update_index_in_dim(
+            w, jnp.where(keep, v, _index(w, slot)), slot, 0), waiting, received)
+        again = jax.tree.map(lambda w: _index(w, m), waiting)
+        fresh = jax.tree.map(lambda a, b: jnp.where(item >= k, b, a), fresh, again)
+      r = jnp.clip(item // k, 0, repeats - 1)
       h = jax.tree.map(lambda a, b: jnp.where(stage == 0, a, b), fresh, received)
-      y = _like(run(params, h), h)
-      # The last stage finishes micro-batch t - (S - 1) in iteration t.
-      done = t - last
+      y = _like(run(params, r, h), h)
+      # The last device finishes micro-batch j % k of the last round in iteration t.
+      done = item - k * (repeats - 1)
       slot = jnp.clip(done, 0, k - 1)
-      keep = (stage == last) & (done >= 0)
+      keep = (stage == last) & (done >= 0) & (done < k)
       outputs = jax.tree.map(
           lambda o, v: lax.dynamic_update_index_in_dim(
               o, jnp.where(keep, v, _index(o, slot)), slot, 0), outputs, y)
-      return (lax.ppermute(y, stage_axis, ring), outputs), None
+      return (lax.ppermute(y, stage_axis, ring), waiting, outputs), None
 
-    (_, outputs), _ = lax.scan(iteration, (first, outputs), jnp.arange(k + last))
+    waiting = inputs if circular else ()  # real activations in the slots, as `first`
+    (_, _, outputs), _ = lax.scan(iteration, (first, waiting, outputs),
+                                  jnp.arange(k * repeats + last))
     # Only the last stage holds the outputs: the sum over stages hands them to every stage.
     outputs = lax.psum(outputs, stage_axis)
     return jax.tree.map(_from_micro_batches, outputs)
@@ -210,13 +283,20 @@ def _layout(stage_params: Any, x: Any, stage_axis: str,
   return mesh, mesh.shape[stage_axis], axes
 
 
-def _check_params(stage_params: Any, stages: int, stage_axis: str) -> None:
+def _check_params(stage_params: Any, leading: tuple[int, ...], stage_axis: str) -> None:
   flat = jax.tree_util.tree_flatten_with_path(stage_params)[0]
   if not flat:
     raise ValueError("fxaccum.pipeline got no stage params: stage_params holds no arrays.")
+  stages = leading[-1]
   for path, leaf in flat:
     shape = jnp.shape(leaf)
-    if not shape or shape[0] != stages:
+    if len(leading) == 2 and tuple(shape[:2]) != leading:
+      raise ValueError(
+          f"stage_params leaf {jax.tree_util.keystr(path) or '<root>'} has shape {shape}; "
+          f"schedule='circular' with repeats={leading[0]} needs leading dimensions "
+          f"(repeats, stages) = {leading}, found {tuple(shape[:2])}: leaf[r, s] is virtual "
+          f"stage r * {stages} + s, held by device s of {stage_axis!r}.")
+    if len(leading) == 1 and (not shape or shape[0] != stages):
       raise ValueError(
           f"stage_params leaf {jax.tree_util.keystr(path) or '<root>'} has shape {shape}; "
           f"every leaf needs a leading dimension of {stages}, the size of the mesh axis "

@@ -131,6 +131,89 @@ def test_inside_in_step_accumulation():
   assert_tree_close(grads, ref_grads, rtol=1e-5)
 
 
+def circular_params(stages: int, repeats: int) -> dict:
+  """make_params with the circular schedule's (R, S) leading dimensions on the stages."""
+  params = make_params(stages * repeats)
+  params["stages"] = jax.tree.map(lambda a: a.reshape(repeats, stages, *a.shape[1:]),
+                                  params["stages"])
+  return params
+
+
+def virtual_stages(stages, h):
+  """The circular schedule's contract: virtual stage v = r * S + s uses leaf[r, s]."""
+  repeats, count = jax.tree.leaves(stages)[0].shape[:2]
+  for v in range(repeats * count):
+    h = block(jax.tree.map(lambda a, v=v: a[v // count, v % count], stages), h)
+  return h
+
+
+def circular_reference(params, batch):
+  with jax.default_matmul_precision("highest"):
+    return jax.value_and_grad(lambda p: token_sums(p, batch, virtual_stages).value())(params)
+
+
+def run_circular(stages, k, repeats, axis_type, differentiate):
+  shape, names = MESHES[stages]
+  mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
+
+  def loss(params, batch):
+    return token_sums(params, batch, lambda stages, h: fxaccum.pipeline(
+        block, stages, h, micro_batches=k, schedule="circular", repeats=repeats))
+
+  if differentiate == "fxaccum":
+    step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=1))
+  else:
+    step = jax.jit(jax.value_and_grad(lambda p, b: loss(p, b).value()))
+  model = "model" in names
+  specs = {"embed": P(), "head": P(),
+           "stages": {"w1": P(None, "stage", None, "model" if model else None),
+                      "w2": P(None, "stage", "model" if model else None, None)}}
+  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+    params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
+                          circular_params(stages, repeats), specs)
+    batch = jax.device_put(make_batch(k), NamedSharding(mesh, P("data")))
+    return step(params, batch), (step, (params, batch), mesh)
+
+
+@pytest.mark.parametrize("differentiate", ["fxaccum", "jax"])
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("stages,k,repeats", [
+    (2, 2, 2), (2, 4, 1), (2, 8, 2), (4, 4, 2), (4, 8, 1), (4, 16, 2)])
+def test_circular_schedule_matches_the_virtual_stages(stages, k, repeats, axis_type,
+                                                      differentiate):
+  """Exact against R * S stages in a Python loop on one device: S in {2, 4} (S = 2 with
+  tensor-parallel stages), k in {S, 2S, 4S}, R in {1, 2}, Auto and Explicit meshes, under
+  fxaccum.value_and_grad and jax.value_and_grad, on the skewed token batch."""
+  (loss, grads), _ = run_circular(stages, k, repeats, axis_type, differentiate)
+  ref_loss, ref_grads = circular_reference(circular_params(stages, repeats), make_batch(k))
+  assert_tree_close(loss, ref_loss, rtol=1e-5)
+  assert_tree_close(grads, ref_grads, rtol=1e-5)
+
+
+def test_circular_schedule_runs_k_times_r_plus_s_minus_1_iterations():
+  """R = 2 stages per device, S = 4, k = 8: 8 * 2 + 3 = 19 iterations, one ring permute
+  each (the last device hands its outputs back to the first), the stage gradients reduced
+  over the data axes once; the bubble is (S - 1) / (k R + S - 1)."""
+  _, (step, args, mesh) = run_circular(4, 8, 2, AxisType.Auto, "jax")
+  report = fxaccum.diagnostics.report(step, *args, mesh=mesh)
+  permutes = report.select("collective-permute")
+  assert {c.executions for c in permutes} == {8 * 2 + 3}, report.summary()
+  assert report.reductions("loop", axes="data") == [], report.summary()
+  assert fxaccum.diagnostics.bubble_fraction(4, 8, schedule="circular", repeats=2) == (
+      pytest.approx(3 / 19))
+
+
+def test_gpipe_hands_activations_one_way():
+  """GPipe's permute pairs are s -> s + 1 only: nothing travels from the last stage back
+  to the first."""
+  _, (step, args, mesh) = run(4, 4)
+  text = step.lower(*args).compile().as_text()
+  pairs = {line.split("source_target_pairs=")[1].split("}}")[0]
+           for line in text.splitlines() if "collective-permute" in line
+           and "source_target_pairs=" in line}
+  assert pairs and all("{3,0}" not in p and "{7,4}" not in p for p in pairs), pairs
+
+
 def test_mean_of_micro_batch_means_is_wrong_on_this_data():
   """Negative control: the skewed padding makes a per-micro-batch mean differ."""
   params, batch = make_params(4), make_batch(4)
@@ -165,13 +248,13 @@ def test_remat_stores_less_than_every_intermediate():
   assert temp(True) < temp(False)
 
 
-def bad_call(stages=None, k=2, x_rows=BATCH, fn=block, stage_axis="stage"):
+def bad_call(stages=None, k=2, x_rows=BATCH, fn=block, stage_axis="stage", **schedule):
   mesh = jax.make_mesh((2, 4), ("data", "stage"))
   params = make_params(stages or 4)["stages"]
   x = jnp.ones((x_rows, TOKENS, DIM))
   with jax.set_mesh(mesh):
-    jax.jit(lambda p, x: fxaccum.pipeline(fn, p, x, micro_batches=k,
-                                          stage_axis=stage_axis)).lower(params, x)
+    jax.jit(lambda p, x: fxaccum.pipeline(fn, p, x, micro_batches=k, stage_axis=stage_axis,
+                                          **schedule)).lower(params, x)
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -182,6 +265,13 @@ def bad_call(stages=None, k=2, x_rows=BATCH, fn=block, stage_axis="stage"):
     ({"fn": lambda p, h: h[..., :4]}, ValueError, "stage_fn must return activations like"),
     ({"fn": lambda p, h: h.astype(jnp.bfloat16)}, ValueError, "bfloat16"),
     ({"stage_axis": "pipe"}, ValueError, "needs one with the stage axis 'pipe'"),
+    ({"schedule": "1f1b-ish"}, ValueError, r"schedule must be one of \('gpipe', 'circular'\)"),
+    ({"repeats": 2}, ValueError, "repeats=2 needs schedule='circular'"),
+    ({"schedule": "circular", "repeats": 0}, ValueError, "repeats must be a positive int"),
+    ({"schedule": "circular", "repeats": 2, "k": 4}, ValueError,
+     r"needs leading dimensions \(repeats, stages\) = \(2, 4\), found \(4, 8\)"),
+    ({"schedule": "circular", "repeats": 2, "k": 2}, ValueError,
+     "needs micro_batches >= the 4 stages"),
 ])
 def test_errors_name_the_fix(kwargs, error, match):
   with pytest.raises(error, match=match):

@@ -1,0 +1,98 @@
+"""Pipeline schedules: GPipe against the circular schedule on the same 8-layer model.
+
+Run from the repository root::
+
+  python benchmarks/schedules.py                # a few minutes on 2 cores; a markdown table
+  python benchmarks/schedules.py --ks 4,8 --repeats 7
+
+The model of ``benchmarks/pipeline.py`` (an embedding, 8 residual MLP layers 256 wide, a
+head, a ``Weighted`` token loss, batch 64, sequence 64) on 8 simulated CPU devices, mesh
+(data 2, stage 4). ``gpipe``: 4 stages of 2 layers. ``circular``, ``repeats=2``: 8 virtual
+stages of 1 layer, 2 per device (virtual stage ``v`` is layer ``v``, the same model).
+Per k: ms per step of ``jax.jit(jax.value_and_grad(loss))`` (median, the schedules
+interleaved), compiled temp memory, collective-permute bytes per step, the bubble
+fraction, and the gradient's max relative error against the 8 layers on one device.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import common  # noqa: F401 - first: sets XLA_FLAGS before JAX starts
+import jax
+from common import errors, interleaved, md_header, md_row
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from pipeline import STAGES, config, init, loss_with, sequential, stage
+
+import fxaccum
+from fxaccum import diagnostics
+
+REPEATS = 2
+
+
+def circular_layout(stages: dict) -> dict:
+  """(S, L, ...) stage-major layers -> (R, S, 1, ...): leaf[r, s] is layer r * S + s."""
+  def relaid(a):
+    layers = a.reshape(-1, *a.shape[2:])  # layer g = s * L + l, in model order
+    return layers.reshape(REPEATS, STAGES, 1, *a.shape[2:])
+  return jax.tree.map(relaid, stages)
+
+
+def compiled_step(schedule: str, k: int, params: dict, batch: dict, mesh):
+  repeats = REPEATS if schedule == "circular" else 1
+  lead = (None, "stage") if schedule == "circular" else ("stage",)
+  loss = loss_with(lambda stages, x: fxaccum.pipeline(
+      stage, stages, x, micro_batches=k, schedule=schedule, repeats=repeats))
+  if schedule == "circular":
+    params = {**params, "stages": circular_layout(params["stages"])}
+  specs = {"embed": P(), "head": P(), "stages": {"w1": P(*lead), "w2": P(*lead)}}
+  with jax.set_mesh(mesh):
+    args = (jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs),
+            jax.device_put(batch, NamedSharding(mesh, P("data"))))
+    compiled = jax.jit(jax.value_and_grad(lambda p, b: loss(p, b).value())).lower(
+        *args).compile()
+  return compiled, args
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--ks", default="4,8,16,32")
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args()
+  cfg = config(quick=False)
+  params, batch = init(cfg)
+  with jax.default_matmul_precision("highest"):
+    ref = jax.jit(jax.grad(lambda p: loss_with(sequential)(p, batch).value()))(params)
+  mesh = jax.make_mesh((jax.device_count() // STAGES, STAGES), ("data", "stage"),
+                       axis_types=(AxisType.Auto,) * 2)
+  lines = md_header(["k", "schedule", "ms/step", "temp MiB", "permute MiB/step", "bubble",
+                     "max grad err"], 2)
+  for k in (int(k) for k in args.ks.split(",")):
+    steps = {s: compiled_step(s, k, params, batch, mesh) for s in ("gpipe", "circular")}
+    timed = interleaved({s: (lambda c=c, a=a: c(*a)) for s, (c, a) in steps.items()},
+                        args.repeats)
+    for schedule, (compiled, _) in steps.items():
+      rep = diagnostics.from_compiled(compiled, mesh)
+      grads = jax.device_get(timed[schedule][2][1])
+      if schedule == "circular":  # back to the stage-major layout of the reference
+        grads["stages"] = jax.tree.map(
+            lambda a: a.reshape(-1, *a.shape[3:]).reshape(STAGES, -1, *a.shape[3:]),
+            grads["stages"])
+      err = errors("grad", grads, ref)["grad_rel_err"]
+      repeats = REPEATS if schedule == "circular" else 1
+      bubble = diagnostics.bubble_fraction(STAGES, k, schedule=schedule, repeats=repeats)
+      lines.append(md_row([
+          k, schedule + (f", repeats={repeats}" if repeats > 1 else ""),
+          f"{timed[schedule][0]:.1f}", f"{rep.memory.temp_bytes / 2**20:.2f}",
+          f"{rep.bytes_per_call('collective-permute') / 2**20:.2f}",
+          f"{bubble:.3f}",
+          f"{err:.1e}"]))
+      print(lines[-1], flush=True)
+  print(f"\n{cfg}, mesh (data {jax.device_count() // STAGES}, stage {STAGES}), "
+        f"{jax.device_count()} x {jax.devices()[0].platform}\n")
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()
