@@ -1,4 +1,4 @@
-"""Pipeline schedules: GPipe against the circular schedule on the same 8-layer model.
+"""Pipeline schedules: GPipe, circular and 1F1B on the same 8-layer model.
 
 Run from the repository root::
 
@@ -7,11 +7,17 @@ Run from the repository root::
 
 The model of ``benchmarks/pipeline.py`` (an embedding, 8 residual MLP layers 256 wide, a
 head, a ``Weighted`` token loss, batch 64, sequence 64) on 8 simulated CPU devices, mesh
-(data 2, stage 4). ``gpipe``: 4 stages of 2 layers. ``circular``, ``repeats=2``: 8 virtual
-stages of 1 layer, 2 per device (virtual stage ``v`` is layer ``v``, the same model).
-Per k: ms per step of ``jax.jit(jax.value_and_grad(loss))`` (median, the schedules
-interleaved), compiled temp memory, collective-permute bytes per step, the bubble
-fraction, and the gradient's max relative error against the 8 layers on one device.
+(data 2, stage 4). ``gpipe`` and ``1f1b``: 4 stages of 2 layers. ``circular``,
+``repeats=2``: 8 virtual stages of 1 layer, 2 per device (virtual stage ``v`` is layer
+``v``, the same model). Per k: ms per step of ``jax.jit(jax.value_and_grad(loss))``
+(median, the schedules interleaved), compiled temp memory, collective-permute bytes per
+step, the bubble fraction, and the gradient's max relative error against the 8 layers on
+one device.
+
+Then the activation memory at a *fixed* micro-batch size (4 rows per data device, so the
+batch grows with k): compiled temp bytes of ``jax.jit`` of the pipeline's vjp with respect
+to the stage params (one 256-wide residual MLP per stage), ``x`` and the output
+cotangent passed in sharded over ``data``, per schedule and k.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import argparse
 
 import common  # noqa: F401 - first: sets XLA_FLAGS before JAX starts
 import jax
+import jax.numpy as jnp
+import numpy as np
 from common import errors, interleaved, md_header, md_row
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -29,6 +37,7 @@ import fxaccum
 from fxaccum import diagnostics
 
 REPEATS = 2
+SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 def circular_layout(stages: dict) -> dict:
@@ -69,7 +78,7 @@ def main() -> None:
   lines = md_header(["k", "schedule", "ms/step", "temp MiB", "permute MiB/step", "bubble",
                      "max grad err"], 2)
   for k in (int(k) for k in args.ks.split(",")):
-    steps = {s: compiled_step(s, k, params, batch, mesh) for s in ("gpipe", "circular")}
+    steps = {s: compiled_step(s, k, params, batch, mesh) for s in SCHEDULES}
     timed = interleaved({s: (lambda c=c, a=a: c(*a)) for s, (c, a) in steps.items()},
                         args.repeats)
     for schedule, (compiled, _) in steps.items():
@@ -92,6 +101,38 @@ def main() -> None:
   print(f"\n{cfg}, mesh (data {jax.device_count() // STAGES}, stage {STAGES}), "
         f"{jax.device_count()} x {jax.devices()[0].platform}\n")
   print("\n".join(lines))
+  print("\n" + memory_table([int(k) for k in args.ks.split(",")], mesh))
+
+
+def memory_table(ks: list[int], mesh, rows: int = 4, width: int = 256, seq: int = 64) -> str:
+  """Temp MiB of the vjp with respect to the stage params at ``rows`` rows per
+  micro-batch per data device."""
+  rng = np.random.default_rng(0)
+  params = {"w1": rng.normal(size=(STAGES, width, 4 * width)).astype(np.float32) / 16,
+            "w2": rng.normal(size=(STAGES, 4 * width, width)).astype(np.float32) / 32}
+
+  def stage_fn(p, h):
+    return h + jnp.tanh(h @ p["w1"]) @ p["w2"]
+
+  data = mesh.shape["data"]
+  lines = md_header(["schedule", *(f"temp MiB k={k}" for k in ks), "k=32 ÷ k=4"], 1)
+  for schedule in ("gpipe", "1f1b"):
+    temps = []
+    for k in ks:
+      x = rng.normal(size=(data * k * rows, seq, width)).astype(np.float32)
+
+      def vjp(p, x, dy, k=k, schedule=schedule):
+        return jax.vjp(lambda p: fxaccum.pipeline(stage_fn, p, x, micro_batches=k,
+                                                  schedule=schedule), p)[1](dy)[0]
+
+      with jax.set_mesh(mesh):
+        args = (jax.device_put(params, NamedSharding(mesh, P("stage"))),
+                *jax.device_put((x, x), NamedSharding(mesh, P("data"))))
+        compiled = jax.jit(vjp).lower(*args).compile()
+      temps.append(compiled.memory_analysis().temp_size_in_bytes / 2**20)
+    ratio = temps[ks.index(32)] / temps[ks.index(4)] if {4, 32} <= set(ks) else float("nan")
+    lines.append(md_row([schedule, *(f"{t:.1f}" for t in temps), f"{ratio:.2f}"]))
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

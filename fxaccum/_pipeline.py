@@ -1,4 +1,5 @@
-"""Pipeline parallelism: micro-batches streamed through stages over a mesh axis (GPipe).
+"""Pipeline parallelism: micro-batches streamed through stages over a mesh axis (GPipe,
+circular stages, 1F1B).
 
 The stages live on the devices of one mesh axis (``stage``): stage ``s`` holds
 ``stage_params[s]``. The batch is split into ``k`` micro-batches, and one ``lax.scan`` of
@@ -29,8 +30,8 @@ from fxaccum import _sync as sync
 
 __all__ = ["SCHEDULES", "Schedule", "bubble_fraction", "pipeline"]
 
-Schedule = Literal["gpipe", "circular"]
-SCHEDULES = ("gpipe", "circular")
+Schedule = Literal["gpipe", "circular", "1f1b"]
+SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 def pipeline(
@@ -48,7 +49,7 @@ def pipeline(
   """Runs ``stage_fn`` stage after stage over the ``stage_axis`` devices.
 
   Equal, up to float rounding, to the plain loop
-  ``for s in range(S): x = stage_fn(stage_params[s], x)`` (``schedule="gpipe"``), or
+  ``for s in range(S): x = stage_fn(stage_params[s], x)`` (``"gpipe"``, ``"1f1b"``), or
   ``for v in range(R * S): x = stage_fn(stage_params[v // S, v % S], x)``
   (``schedule="circular"``, ``repeats=R``), and differentiable: call it
   inside a loss (e.g. between the embedding and the head) and take ``jax.grad`` or
@@ -82,6 +83,11 @@ def pipeline(
       ``num_pipeline_repeats``): each device holds ``R`` stages, every micro-batch goes
       round the ring of devices ``R`` times, in ``k * R + S - 1`` iterations, so the
       bubble is ``(S - 1) / (k * R + S - 1)``; needs ``k >= S`` when ``R > 1``.
+      ``"1f1b"``: GPipe's result and gradients with activation memory independent of
+      ``k``: the forward pass keeps nothing but ``x``, and the backward pass is one
+      wavefront scan of ``k + 2S - 2`` iterations in which each device runs one forward
+      and one backward (recomputed from a ring of ``2S - 1`` stage inputs) per
+      iteration. It costs one more forward pass than GPipe with ``remat``.
     repeats: ``R``, the stages per device of the circular schedule (1 for GPipe).
 
   Returns:
@@ -127,9 +133,28 @@ def pipeline(
   stage_params = jax.tree.map(lambda p: sync.conform(p, param_spec, manual), stage_params)
   x = jax.tree.map(lambda a: sync.conform(a, x_spec, manual), x)
   x_specs = jax.tree.map(lambda _: x_spec, x)
-  return jax.shard_map(
-      body, mesh=mesh, in_specs=(jax.tree.map(lambda _: param_spec, stage_params), x_specs),
-      out_specs=x_specs, axis_names=set(manual))(stage_params, x)
+  param_specs = jax.tree.map(lambda _: param_spec, stage_params)
+  forward = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, x_specs),
+                          out_specs=x_specs, axis_names=set(manual))
+  if schedule != "1f1b":
+    return forward(stage_params, x)
+  backward = jax.shard_map(
+      _one_f_one_b(stage_fn, k, stages, stage_axis, axes), mesh=mesh,
+      in_specs=(param_specs, x_specs, x_specs), out_specs=(param_specs, x_specs),
+      axis_names=set(manual))
+
+  @jax.custom_vjp
+  def run(stage_params, x):
+    return forward(stage_params, x)
+
+  def run_forward(stage_params, x):  # keeps no activations: the backward recomputes them
+    return forward(stage_params, x), (stage_params, x)
+
+  def run_backward(saved, dy):
+    return backward(*saved, dy)
+
+  run.defvjp(run_forward, run_backward)
+  return run(stage_params, x)
 
 
 def bubble_fraction(stages: int, micro_batches: int, *, schedule: Schedule = "gpipe",
@@ -157,9 +182,10 @@ def _check_schedule(schedule: Any, repeats: Any, k: int) -> int:
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
   if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
     raise ValueError(f"repeats must be a positive int (stages per device), got {repeats!r}.")
-  if schedule == "gpipe" and repeats != 1:
+  if schedule != "circular" and repeats != 1:
     raise ValueError(
-        f"repeats={repeats} needs schedule='circular' (GPipe runs one stage per device).")
+        f"repeats={repeats} needs schedule='circular' ({schedule!r} runs one stage per "
+        "device).")
   return repeats
 
 
@@ -237,6 +263,83 @@ def _scheduled(stage_fn: Callable, remat: bool, k: int, stages: int, repeats: in
     return jax.tree.map(_from_micro_batches, outputs)
 
   return body
+
+
+def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
+                 axes: tuple[str, ...]) -> Callable:
+  """The per-device backward pass of the 1F1B schedule: one wavefront scan of
+  ``k + 2S - 2`` iterations.
+
+  In iteration ``t`` device ``s`` runs the forward of micro-batch ``t - s`` (its input
+  kept in a ring of ``2S - 1`` slots) and the backward (``jax.vjp``, recomputed from that
+  slot) of micro-batch ``t - (2S - 2 - s)``, ``2S - 2 - 2s`` iterations later; the last
+  device runs both on the same micro-batch, with its output cotangent. Activations go right
+  and cotangents left, one permute each per iteration. Returns the stage gradients, summed
+  over the data axes once, after the scan, and ``x``'s gradient.
+  """
+  last = stages - 1
+  slots = 2 * stages - 1
+  right = [(s, s + 1) for s in range(last)]
+  left = [(s + 1, s) for s in range(last)]
+
+  def body(params, x, dy):
+    # Varying over the data axes: each vjp returns this device's partial gradient.
+    params = sync.vary(jax.tree.map(lambda leaf: leaf[0], params), axes)
+    x, dy = sync.vary((x, dy), (stage_axis,))
+    stage = lax.axis_index(stage_axis)
+    rows = _strided(k)  # micro-batch m is rows m::k, read and written in place
+    first = jax.tree.map(lambda a: rows.get(a, 0), x)
+    stash = jax.tree.map(lambda a: jnp.broadcast_to(a, (slots, *a.shape)), first)
+    grads = jax.tree.map(jnp.zeros_like, params)
+    dx = jax.tree.map(jnp.zeros_like, x)
+
+    def iteration(carry, t):
+      received, returned, stash, grads, dx = carry
+      f = t - stage
+      mf = jnp.clip(f, 0, k - 1)
+      h = jax.tree.map(lambda a, r: jnp.where(stage == 0, rows.get(a, mf), r), x, received)
+      slot = mf % slots
+      keep = (f >= 0) & (f < k)
+      stash = jax.tree.map(lambda w, v: lax.dynamic_update_index_in_dim(
+          w, jnp.where(keep, v, _index(w, slot)), slot, 0), stash, h)
+      y = _like(stage_fn(params, h), h)
+      b = t - (2 * stages - 2 - stage)
+      mb = jnp.clip(b, 0, k - 1)
+      done = (b >= 0) & (b < k)
+      saved = jax.tree.map(lambda w: _index(w, mb % slots), stash)
+      cotangent = jax.tree.map(lambda g, r: jnp.where(stage == last, rows.get(g, mb), r),
+                               dy, returned)
+      _, vjp = jax.vjp(stage_fn, params, saved)
+      d_params, d_h = vjp(_like(cotangent, saved))
+      grads = jax.tree.map(lambda g, d: g + jnp.where(done, d, jnp.zeros_like(d)), grads,
+                           d_params)
+      dx = jax.tree.map(lambda o, d: rows.set(o, mb, jnp.where(done & (stage == 0), d,
+                                                                rows.get(o, mb))), dx, d_h)
+      return (lax.ppermute(y, stage_axis, right), lax.ppermute(d_h, stage_axis, left),
+              stash, grads, dx), None
+
+    carry = (first, first, stash, grads, dx)
+    (_, _, _, grads, dx), _ = lax.scan(iteration, carry, jnp.arange(k + 2 * stages - 2))
+    grads = jax.tree.map(lambda g: lax.psum(g, axes)[None] if axes else g[None], grads)
+    return grads, lax.psum(dx, stage_axis)  # only stage 0 holds x's gradient
+
+  return body
+
+
+class _strided:
+  """Micro-batch ``m`` of a leaf, rows ``m::k``, read or written without a k-sized copy
+  (the leaf viewed as ``(rows / k, k, ...)``)."""
+
+  def __init__(self, k: int):
+    self.k = k
+
+  def get(self, leaf: jax.Array, m: Any) -> jax.Array:
+    view = leaf.reshape(leaf.shape[0] // self.k, self.k, *leaf.shape[1:])
+    return lax.dynamic_index_in_dim(view, m, axis=1, keepdims=False)
+
+  def set(self, leaf: jax.Array, m: Any, value: jax.Array) -> jax.Array:
+    view = leaf.reshape(leaf.shape[0] // self.k, self.k, *leaf.shape[1:])
+    return lax.dynamic_update_index_in_dim(view, value, m, axis=1).reshape(leaf.shape)
 
 
 def _to_micro_batches(k: int) -> Callable[[jax.Array], jax.Array]:
