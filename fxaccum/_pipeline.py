@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from fxaccum import _reduce as reduce_lib
 from fxaccum import _split as split
 from fxaccum import _sync as sync
 
@@ -77,7 +78,8 @@ def pipeline(
       them as ``fxaccum.value_and_grad`` does (the batch's sharding, else the
       conventional names ``data``, ``fsdp``, ...), ``()`` for none.
     remat: recompute each stage in the backward pass, storing only the stage inputs
-      (``jax.checkpoint``), instead of every intermediate of every iteration.
+      (``jax.checkpoint``), instead of every intermediate of every iteration. (The 1F1B
+      backward pass always recomputes.)
     schedule: ``"gpipe"`` (default): each micro-batch passes the ``S`` stages once, in
       ``k + S - 1`` iterations. ``"circular"`` (interleaved stages, MaxText's
       ``num_pipeline_repeats``): each device holds ``R`` stages, every micro-batch goes
@@ -136,25 +138,22 @@ def pipeline(
   param_specs = jax.tree.map(lambda _: param_spec, stage_params)
   forward = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, x_specs),
                           out_specs=x_specs, axis_names=set(manual))
-  if schedule != "1f1b":
-    return forward(stage_params, x)
-  backward = jax.shard_map(
-      _one_f_one_b(stage_fn, k, stages, stage_axis, axes), mesh=mesh,
-      in_specs=(param_specs, x_specs, x_specs), out_specs=(param_specs, x_specs),
-      axis_names=set(manual))
+  if schedule == "1f1b":
+    backward = jax.shard_map(
+        _one_f_one_b(stage_fn, k, stages, stage_axis, axes), mesh=mesh,
+        in_specs=(param_specs, x_specs, x_specs), out_specs=(param_specs, x_specs),
+        axis_names=set(manual))
+    forward = _differentiated_by(forward, backward)
+  return forward(stage_params, x)
 
-  @jax.custom_vjp
-  def run(stage_params, x):
-    return forward(stage_params, x)
 
-  def run_forward(stage_params, x):  # keeps no activations: the backward recomputes them
-    return forward(stage_params, x), (stage_params, x)
-
-  def run_backward(saved, dy):
-    return backward(*saved, dy)
-
-  run.defvjp(run_forward, run_backward)
-  return run(stage_params, x)
+def _differentiated_by(forward: Callable, backward: Callable) -> Callable:
+  """``forward(params, x)`` whose vjp is ``backward(params, x, dy)``: the forward pass
+  keeps no activations, the backward recomputes what it needs."""
+  run = jax.custom_vjp(forward)
+  run.defvjp(lambda params, x: (forward(params, x), (params, x)),
+             lambda saved, dy: backward(*saved, dy))
+  return run
 
 
 def bubble_fraction(stages: int, micro_batches: int, *, schedule: Schedule = "gpipe",
@@ -287,7 +286,7 @@ def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
     params = sync.vary(jax.tree.map(lambda leaf: leaf[0], params), axes)
     x, dy = sync.vary((x, dy), (stage_axis,))
     stage = lax.axis_index(stage_axis)
-    rows = _strided(k)  # micro-batch m is rows m::k, read and written in place
+    rows = _MicroBatchRows(k)  # micro-batch m: rows m::k, read and written in place
     first = jax.tree.map(lambda a: rows.get(a, 0), x)
     stash = jax.tree.map(lambda a: jnp.broadcast_to(a, (slots, *a.shape)), first)
     grads = jax.tree.map(jnp.zeros_like, params)
@@ -320,13 +319,17 @@ def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
 
     carry = (first, first, stash, grads, dx)
     (_, _, _, grads, dx), _ = lax.scan(iteration, carry, jnp.arange(k + 2 * stages - 2))
-    grads = jax.tree.map(lambda g: lax.psum(g, axes)[None] if axes else g[None], grads)
+    # The data-axis reduction of in-step mode's per-device view: one per bucket.
+    leaves, tree = jax.tree.flatten(grads)
+    leaves = reduce_lib.reduce_leaves(leaves, [((), axes)] * len(leaves),
+                                      reduce_lib.BUCKET_BYTES)
+    grads = jax.tree.unflatten(tree, [leaf[None] for leaf in leaves])
     return grads, lax.psum(dx, stage_axis)  # only stage 0 holds x's gradient
 
   return body
 
 
-class _strided:
+class _MicroBatchRows:
   """Micro-batch ``m`` of a leaf, rows ``m::k``, read or written without a k-sized copy
   (the leaf viewed as ``(rows / k, k, ...)``)."""
 
