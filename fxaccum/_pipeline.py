@@ -17,12 +17,14 @@ backward loop, once per iteration.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from fxaccum import _reduce as reduce_lib
@@ -128,11 +130,20 @@ def pipeline(
   for axis in axes:
     devices *= mesh.shape[axis]
   split.leading_size(x, k, devices)
-  body = _scheduled(stage_fn, remat, k, stages, repeats, len(leading) == 2, stage_axis, axes)
+  # GPipe streams x in and the outputs out over the stages (each holds 1/S of them) where
+  # every stage can hold whole micro-batches: k a multiple of S.
+  streamed = schedule == "gpipe" and stages > 1 and k % stages == 0
+  if streamed:
+    body = _streamed(stage_fn, remat, k, stages, stage_axis, axes)
+  else:
+    body = _scheduled(stage_fn, remat, k, stages, repeats, len(leading) == 2, stage_axis,
+                      axes)
   manual = (stage_axis, *axes)
-  param_spec, x_spec = P(*(None,) * (len(leading) - 1), stage_axis), P(axes or None)
+  param_spec = P(*(None,) * (len(leading) - 1), stage_axis)
+  x_spec = P((*axes, stage_axis)) if streamed else P(axes or None)
   # On Explicit mesh axes shard_map wants the arguments typed like its in_specs.
   stage_params = jax.tree.map(lambda p: sync.conform(p, param_spec, manual), stage_params)
+  given = x
   x = jax.tree.map(lambda a: sync.conform(a, x_spec, manual), x)
   x_specs = jax.tree.map(lambda _: x_spec, x)
   param_specs = jax.tree.map(lambda _: param_spec, stage_params)
@@ -144,7 +155,17 @@ def pipeline(
         in_specs=(param_specs, x_specs, x_specs), out_specs=(param_specs, x_specs),
         axis_names=set(manual))
     forward = _differentiated_by(forward, backward)
-  return forward(stage_params, x)
+  # Typed like x as given (Explicit meshes): x sharded over the stages too gets its output
+  # back sharded so, without a collective; x replicated over them, by one all-gather.
+  return jax.tree.map(_typed_like, forward(stage_params, x), given)
+
+
+def _typed_like(a: jax.Array, like: jax.Array) -> jax.Array:
+  want = jax.typeof(like).sharding
+  if jax.typeof(a).sharding == want or not any(
+      t == AxisType.Explicit for t in want.mesh.axis_types):
+    return a
+  return jax.sharding.reshard(a, want.spec)
 
 
 def _differentiated_by(forward: Callable, backward: Callable) -> Callable:
@@ -260,6 +281,61 @@ def _scheduled(stage_fn: Callable, remat: bool, k: int, stages: int, repeats: in
     # Only the last stage holds the outputs: the sum over stages hands them to every stage.
     outputs = lax.psum(outputs, stage_axis)
     return jax.tree.map(_from_micro_batches, outputs)
+
+  return body
+
+
+def _streamed(stage_fn: Callable, remat: bool, k: int, stages: int, stage_axis: str,
+              axes: tuple[str, ...]) -> Callable:
+  """GPipe's per-device body with ``x`` and the outputs sharded over the stages.
+
+  Stage ``s`` holds micro-batches ``m = i * S + s`` of its data device's rows (its own
+  rows ``i::k/S``). Inputs travel left one stage per iteration (micro-batch ``m`` is at
+  stage ``m - t`` in iteration ``t``, and stage 0 starts it in iteration ``m``);
+  activations travel right; outputs travel left from the last stage to the stage holding
+  their rows. One scan of ``k + S - 1`` iterations, then ``S - 1`` that only move the
+  last outputs home. Nothing activation-sized is summed over the stages, forward or
+  backward, and no stage holds more than its share of ``x`` and of the outputs.
+  """
+  last = stages - 1
+  own = k // stages
+  right = [(s, s + 1) for s in range(last)]
+  left = [(s + 1, s) for s in range(last)]
+  run = jax.checkpoint(stage_fn) if remat else stage_fn
+
+  def body(params, x):
+    params = sync.vary(jax.tree.map(lambda leaf: leaf[0], params), axes)
+    stage = lax.axis_index(stage_axis)
+    rows = _MicroBatchRows(own)
+    # Real activations in every slot, never zeros (see _scheduled).
+    first = jax.tree.map(lambda a: rows.get(a, 0), x)
+
+    def iteration(carry, t, compute=True):
+      received, arriving, leaving, outputs = carry
+      if compute:
+        m = t + stage  # the input this stage holds in transit in iteration t
+        mine = (m % stages == stage) & (m < k)
+        # (The last stage receives nothing from its right: it keeps real activations.)
+        arriving = jax.tree.map(lambda a, r: jnp.where(
+            mine | (stage == last), rows.get(a, jnp.clip(m // stages, 0, own - 1)), r),
+            x, arriving)
+        h = jax.tree.map(lambda a, r: jnp.where(stage == 0, a, r), arriving, received)
+        y = _like(run(params, h), h)
+        leaving = jax.tree.map(lambda new, r: jnp.where(stage == last, new, r), y, leaving)
+        received = lax.ppermute(y, stage_axis, right)
+        arriving = lax.ppermute(arriving, stage_axis, left)
+      m = t - 2 * last + stage  # the output this stage holds in transit in iteration t
+      home = (m >= 0) & (m < k) & (m % stages == stage)
+      slot = jnp.clip(m // stages, 0, own - 1)
+      outputs = jax.tree.map(lambda o, v: rows.set(
+          o, slot, jnp.where(home, v, rows.get(o, slot))), outputs, leaving)
+      return (received, arriving, lax.ppermute(leaving, stage_axis, left), outputs), None
+
+    carry = (first, first, first, jax.tree.map(jnp.zeros_like, x))
+    carry, _ = lax.scan(iteration, carry, jnp.arange(k + last))
+    drain = functools.partial(iteration, compute=False)
+    (_, _, _, outputs), _ = lax.scan(drain, carry, jnp.arange(k + last, k + 2 * last))
+    return outputs
 
   return body
 

@@ -296,19 +296,39 @@ def test_mean_of_micro_batch_means_is_wrong_on_this_data():
 
 
 def test_one_data_reduction_and_one_permute_per_iteration():
+  """GPipe with k a multiple of S streams x and the outputs over the stages: per iteration
+  activations right, inputs and outputs left (and their transposes), then S - 1
+  iterations that move the last outputs home; nothing activation-sized is summed over
+  `stage`, and the head and loss after the pipeline run sharded over the stages."""
   stages, k = 4, 4
   _, (step, args, mesh) = run(stages, k)
   report = fxaccum.diagnostics.report(step, *args, mesh=mesh)
   assert report.reductions("loop", axes="data") == []
-  # The stage gradients (and the loss) in one data-axis reduction: all-reduces, which XLA
-  # combines (fxaccum's buckets are for reduce-scatters, which XLA:CPU does not).
-  assert len(report.reductions("top", axes="data")) == 1, report.summary()
+  # The stage gradients in one data-axis reduction (all-reduces, which XLA combines;
+  # fxaccum's buckets are for reduce-scatters, which XLA:CPU does not combine). The head's
+  # and the embedding's gradients are summed over (data, stage) in another: they run on
+  # activations sharded over both.
+  assert len([c for c in report.reductions("top") if c.axes == ("data",)]) == 1, (
+      report.summary())
+  # Over `stage` only the loss and the head's and embedding's small gradients (1028 B):
+  # no activations (the whole batch's are 8 KiB here).
+  assert all(c.bytes <= 1028 for c in report.select(fxaccum.diagnostics.REDUCTIONS)
+             if "stage" in c.axes), report.summary()
   permutes = report.select("collective-permute")
-  # one in the forward scan, one in its transpose, each run once per iteration
-  assert len(permutes) == 2
-  assert {c.executions for c in permutes} == {k + stages - 1}
   assert {c.axes for c in permutes} == {("stage",)}
+  runs = sorted(c.executions for c in permutes)
+  assert runs == [stages - 1] * 2 + [k + stages - 1] * 6, report.summary()
   assert fxaccum.diagnostics.bubble_fraction(stages, k) == pytest.approx(3 / 7)
+
+
+def test_gpipe_with_k_below_s_sums_outputs_over_the_stages():
+  """k not a multiple of S: x stays gathered over `stage` and the outputs are summed over
+  it (the unstreamed GPipe), one permute per iteration each way."""
+  stages, k = 4, 2
+  _, (step, args, mesh) = run(stages, k)
+  report = fxaccum.diagnostics.report(step, *args, mesh=mesh)
+  permutes = report.select("collective-permute")
+  assert len(permutes) == 2 and {c.executions for c in permutes} == {k + stages - 1}
 
 
 def test_remat_stores_less_than_every_intermediate():
@@ -379,3 +399,20 @@ def test_idle_iterations_put_no_nan_into_the_gradient():
     got = jax.jit(jax.grad(loss), static_argnums=2)(stages, x, lambda p, h: fxaccum.pipeline(
         stage, p, h, micro_batches=4))
   assert_tree_close(got, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [P(("data", "stage")), P("data")], ids=["data_stage", "data"])
+def test_streamed_output_keeps_the_inputs_sharding(spec):
+  """On an Explicit mesh, x sharded over (data, stage) comes back sharded so (no
+  collective over the stages for it); x sharded over data only comes back over data.
+  Both equal the stages in a Python loop."""
+  mesh = jax.make_mesh((2, 4), ("data", "stage"), axis_types=(AxisType.Explicit,) * 2)
+  params = make_params(4)["stages"]
+  x = np.random.default_rng(2).normal(size=(BATCH, TOKENS, DIM)).astype(np.float32)
+  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+    placed = jax.device_put(params, NamedSharding(mesh, P("stage")))
+    y = jax.jit(lambda p, x: fxaccum.pipeline(block, p, x, micro_batches=8))(
+        placed, jax.device_put(x, NamedSharding(mesh, spec)))
+  assert tuple(jax.typeof(y).sharding.spec) == (spec[0], None, None)
+  with jax.default_matmul_precision("highest"):
+    assert_tree_close(y, sequential(params, x), rtol=1e-5)
