@@ -61,7 +61,7 @@ class DynamicScale(dynamic_scale_lib.DynamicScale):
     ``axis_name`` (a ``pmap`` axis, as in flax) the gradient is averaged over it before
     the check, as flax does.
     """
-    if "micro_batches" not in options:
+    if "micro_batches" not in options and "micro_batch_size" not in options:
       return super().value_and_grad(fun, argnums, has_aux, axis_name)
 
     @functools.wraps(fun)

@@ -20,7 +20,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple, ParamSpec, Required, TypedDict, Unpack, overload
+from typing import Any, Literal, NamedTuple, ParamSpec, TypedDict, Unpack, overload
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +59,8 @@ _P = ParamSpec("_P")
 class _Options(TypedDict, total=False):
   """``value_and_grad``'s keyword options that do not change what it returns."""
 
-  micro_batches: Required[int]
+  micro_batches: int
+  micro_batch_size: int
   batch_argnums: int | Sequence[int]
   data_axes: str | Sequence[str] | None
   accum_dtype: Any
@@ -99,7 +100,8 @@ def value_and_grad(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     *,
-    micro_batches: int,
+    micro_batches: int | None = None,
+    micro_batch_size: int | None = None,
     batch_argnums: int | Sequence[int] = 1,
     data_axes: str | Sequence[str] | None = None,
     accum_dtype: Any = jnp.float32,
@@ -169,6 +171,11 @@ def value_and_grad(
       NNX module, also ``nnx.DiffState(argnum, filter)``.
     has_aux: whether ``fun`` returns ``(loss, aux)``.
     micro_batches: number ``k`` of micro-batches per call (a positive Python int).
+    micro_batch_size: instead of ``micro_batches``: ``m``, the rows of one micro-batch
+      across all data devices, so that ``k = B // m`` follows the batch size ``B`` at
+      trace time (a batch-size ramp-up keeps the micro-batch, and its activation memory,
+      fixed; one program per batch size). ``m`` must divide ``B`` and be a multiple of
+      the number of data devices.
     batch_argnums: positional argument(s) holding the batch, split along axis 0.
     data_axes: mesh axis name(s) the batch's axis 0 is sharded over; ``None`` infers them
       (see :mod:`fxaccum._sync`).
@@ -239,7 +246,8 @@ def value_and_grad(
     (True, True)
   """
   config = _make_config(
-      fun, argnums, has_aux, micro_batches=micro_batches, batch_argnums=batch_argnums,
+      fun, argnums, has_aux, micro_batches=micro_batches,
+      micro_batch_size=micro_batch_size, batch_argnums=batch_argnums,
       data_axes=data_axes, accum_dtype=accum_dtype, rng_argnums=rng_argnums,
       state_argnums=state_argnums,
       fsdp_reduce=fsdp_reduce, fsdp_gather=fsdp_gather, bucket_bytes=bucket_bytes,
@@ -288,11 +296,21 @@ def grad(
   return grad_fn
 
 
-def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, data_axes,
+def _make_config(fun, argnums, has_aux, *, micro_batches, micro_batch_size, batch_argnums,
+                 data_axes,
                  accum_dtype, rng_argnums, state_argnums, fsdp_reduce, fsdp_gather,
                  bucket_bytes, reduce, view, param_shardings, skip_nonfinite,
                  loss_reduction) -> _Config:
   """Validates ``value_and_grad``'s arguments (all static) into a :class:`_Config`."""
+  if (micro_batches is None) == (micro_batch_size is None):
+    raise TypeError(
+        "fxaccum.value_and_grad needs exactly one of micro_batches=k (the number of "
+        "micro-batches) and micro_batch_size=m (the rows of one micro-batch across all data "
+        f"devices), got micro_batches={micro_batches!r}, "
+        f"micro_batch_size={micro_batch_size!r}.")
+  if micro_batch_size is not None:
+    micro_batch_size = split.check_micro_batches(micro_batch_size, "micro_batch_size")
+    micro_batches = 1  # set per call from the batch's rows
   micro_batches = split.check_micro_batches(micro_batches)
   argnums, filters = _nnx.argnums_and_filters(argnums)
   diff_argnums = split.as_argnums(argnums, "argnums")
@@ -350,7 +368,8 @@ def _make_config(fun, argnums, has_aux, *, micro_batches, batch_argnums, data_ax
   if param_shardings is not None:
     param_shardings = (param_shardings,) if single_argnum else tuple(param_shardings)
   return _Config(
-      fun=fun, has_aux=has_aux, micro_batches=micro_batches, diff_argnums=diff_argnums,
+      fun=fun, has_aux=has_aux, micro_batches=micro_batches,
+      micro_batch_size=micro_batch_size, diff_argnums=diff_argnums,
       single_argnum=single_argnum, filters=filters, batch_argnums=batch_argnums_t,
       rng_argnums=rng_argnums_t, state_argnums=state_argnums_t,
       data_axes=None if data_axes is None else _as_axes(data_axes),
@@ -383,6 +402,9 @@ def _call(config: _Config, compiled: dict, args: Sequence[Any], kwargs: dict) ->
   layout = sync.plan(jax.tree.leaves(diff), jax.tree.leaves(batch),
                      jax.tree.leaves((other, state)), config.data_axes,
                      sync.param_hints(diff, config.param_shardings))
+  if config.micro_batch_size is not None:
+    config = _sized(config, split.leading_size(batch, 1, layout.data_devices),
+                    layout.data_devices)
   rows = split.leading_size(batch, config.micro_batches, layout.data_devices)
   _check_kwargs(kwargs, rows, config)
   if not config.reduce and any(layout.param_dims):
@@ -406,7 +428,7 @@ def _call(config: _Config, compiled: dict, args: Sequence[Any], kwargs: dict) ->
   if _is_traced(args, kwargs, state):
     out, (state, new_sown) = run((args, state), kw_arrays)
   else:
-    key = (layout, modules, kw_def,
+    key = (layout, modules, kw_def, config.micro_batches,
            tuple((i, leaf) for i, leaf in enumerate(kw_leaves) if i not in dynamic))
     try:
       jitted = compiled.setdefault(key, jax.jit(run))
@@ -416,6 +438,23 @@ def _call(config: _Config, compiled: dict, args: Sequence[Any], kwargs: dict) ->
   if modules is not None:  # as nnx.value_and_grad does: the modules' state, in place
     modules.update(module_args, state[0], sown, new_sown)
   return out
+
+
+def _sized(config: _Config, rows: int, devices: int) -> _Config:
+  """The config for a batch of ``rows`` rows with ``micro_batch_size=m``: ``k = rows // m``."""
+  m = config.micro_batch_size
+  assert m is not None
+  if rows % m:
+    raise ValueError(
+        f"micro_batch_size={m} does not divide the batch's {rows} rows: pass a "
+        f"micro_batch_size that divides every batch size you train with (or a batch of a "
+        f"multiple of {m} rows).")
+  if m % devices:
+    raise ValueError(
+        f"micro_batch_size={m} splits a micro-batch over {devices} data devices, which "
+        f"gives some of them less than one row: use a multiple of {devices} (at least "
+        f"{devices}).")
+  return dataclasses.replace(config, micro_batches=rows // m)
 
 
 def _check_graph_nodes(args: Sequence[Any], config: _Config) -> None:
@@ -455,6 +494,7 @@ class _Config:
   fun: Callable[..., Any]
   has_aux: bool
   micro_batches: int
+  micro_batch_size: int | None  # micro_batches then follows the batch, per call
   diff_argnums: tuple[int, ...]
   single_argnum: bool
   filters: dict[int, Any]

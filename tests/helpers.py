@@ -114,6 +114,9 @@ def put(tree, mesh, specs):
 
 AXIS_TYPES = (AxisType.Auto, AxisType.Explicit)
 
+#: make_data's batch sharded over `data` (for `put`).
+DATA = {"x": P("data"), "y": P("data"), "mask": P("data")}
+
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 from flax.training import dynamic_scale as dynamic_scale_lib
 from helpers import (
+    DATA,
     example_mean_loss,
     make_data,
     make_params,
@@ -29,7 +30,6 @@ import fxaccum
 from fxaccum.checkpoint import CheckpointMismatchError
 
 K, CALLS = 4, 8
-DATA = {"x": P("data"), "y": P("data"), "mask": P("data")}
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 
 

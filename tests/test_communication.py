@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from helpers import (
     AXIS_TYPES,
+    DATA,
     assert_tree_close,
     make_data,
     make_params,
@@ -21,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 import fxaccum
 from fxaccum import diagnostics
 
-DATA = {"x": P("data"), "y": P("data"), "mask": P("data")}
 MOVES = ("all-gather", "collective-permute", "all-to-all")
 
 

@@ -9,6 +9,7 @@ import optax
 import pytest
 from helpers import (
     AXIS_TYPES,
+    DATA,
     assert_tree_close,
     make_data,
     make_params,
@@ -22,7 +23,6 @@ from jax.sharding import PartitionSpec as P
 import fxaccum
 from fxaccum import diagnostics
 
-DATA = {"x": P("data"), "y": P("data"), "mask": P("data")}
 K = 4
 
 

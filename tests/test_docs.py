@@ -190,11 +190,11 @@ CHECKS = {
     "docs/instep.md[0]": check_equal_pair,
     "docs/instep.md[1]": lambda out: "view='global'" in out or pytest.fail(out),
     "docs/instep.md[2]": lambda out: "('fsdp', None)" in out or pytest.fail(out),
-    "docs/instep.md[3]": lambda out: out.split() == ["True"] or pytest.fail(out),
-    "docs/instep.md[4]": lambda out: out.split() == ["True", "65536.0", "1.0"] or pytest.fail(
+    "docs/instep.md[4]": lambda out: out.split() == ["True"] or pytest.fail(out),
+    "docs/instep.md[5]": lambda out: out.split() == ["True", "65536.0", "1.0"] or pytest.fail(
         out),
-    "docs/instep.md[5]": lambda out: out.split() == ["0.0", "1"] or pytest.fail(out),
-    "docs/instep.md[6]": check_metrics,
+    "docs/instep.md[6]": lambda out: out.split() == ["0.0", "1"] or pytest.fail(out),
+    "docs/instep.md[7]": check_metrics,
     "docs/normalization.md[0]": check_equal_pair,
     "docs/pipeline.md[1]": lambda out: float(out) < 1e-6 or pytest.fail(out),
     "docs/pipeline.md[2]": lambda out: "4 all-gathers" in out or pytest.fail(out),

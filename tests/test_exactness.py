@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from helpers import (
     AXIS_TYPES,
+    DATA,
     assert_tree_close,
     example_mean_loss,
     make_data,
@@ -22,7 +23,6 @@ from jax.sharding import PartitionSpec as P
 
 import fxaccum
 
-DATA = {"x": P("data"), "y": P("data"), "mask": P("data")}
 SEQ = {"x": P("data", "seq"), "y": P("data", "seq"), "mask": P("data", "seq")}
 # name: (mesh shape, axis names, param specs, batch specs)
 LAYOUTS = {

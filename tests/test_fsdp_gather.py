@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    DATA,
     assert_tree_close,
     make_data,
     make_params,
@@ -23,7 +24,6 @@ from jax.sharding import PartitionSpec as P
 import fxaccum
 from fxaccum import diagnostics
 
-DATA = {"x": P("data"), "y": P("data"), "mask": P("data")}
 MLP_SPECS = {"w1": P("data", None), "b1": P("data"), "w2": P("data", None)}
 
 

@@ -25,9 +25,9 @@ assert_type(fxaccum.value_and_grad(loss_and_aux, has_aux=True, micro_batches=2)(
 assert_type(fxaccum.value_and_grad(loss_and_aux, 0, True, micro_batches=2)(w, x),
             tuple[tuple[jax.Array, Any], Any])
 assert_type(fxaccum.value_and_grad(loss, has_aux=flag, micro_batches=2)(w, x), tuple[Any, Any])
+assert_type(fxaccum.value_and_grad(loss, micro_batch_size=2)(w, x), tuple[jax.Array, Any])
 assert_type(fxaccum.value_and_grad(loss, skip_nonfinite=True, micro_batches=2)(w, x),
             tuple[Any, Any])
 fxaccum.value_and_grad(loss, micro_batches=2)(w)  # error: x is missing
 fxaccum.value_and_grad(loss, micro_batchez=2)  # error: a misspelt option
 fxaccum.grad(loss, micro_batches=2, view="devices")  # error: not a view
-fxaccum.grad(loss)  # error: micro_batches is required
