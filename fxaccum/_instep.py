@@ -251,8 +251,7 @@ def value_and_grad(
       data_axes=data_axes, accum_dtype=accum_dtype, rng_argnums=rng_argnums,
       state_argnums=state_argnums,
       fsdp_reduce=fsdp_reduce, fsdp_gather=fsdp_gather, bucket_bytes=bucket_bytes,
-      reduce=reduce, view=view,
-      param_shardings=param_shardings,
+      reduce=reduce, view=view, param_shardings=param_shardings,
       skip_nonfinite=skip_nonfinite, loss_reduction=loss_reduction)
   compiled: dict[Any, Callable[..., Any]] = {}  # one jitted program per layout (eager calls)
 
@@ -297,9 +296,8 @@ def grad(
 
 
 def _make_config(fun, argnums, has_aux, *, micro_batches, micro_batch_size, batch_argnums,
-                 data_axes,
-                 accum_dtype, rng_argnums, state_argnums, fsdp_reduce, fsdp_gather,
-                 bucket_bytes, reduce, view, param_shardings, skip_nonfinite,
+                 data_axes, accum_dtype, rng_argnums, state_argnums, fsdp_reduce,
+                 fsdp_gather, bucket_bytes, reduce, view, param_shardings, skip_nonfinite,
                  loss_reduction) -> _Config:
   """Validates ``value_and_grad``'s arguments (all static) into a :class:`_Config`."""
   if (micro_batches is None) == (micro_batch_size is None):
