@@ -161,6 +161,7 @@ def pipeline(
 
 
 def _typed_like(a: jax.Array, like: jax.Array) -> jax.Array:
+  """``a`` resharded to ``like``'s sharding where they differ on an Explicit mesh."""
   want = jax.typeof(like).sharding
   if jax.typeof(a).sharding == want or not any(
       t == AxisType.Explicit for t in want.mesh.axis_types):
@@ -259,8 +260,7 @@ def _scheduled(stage_fn: Callable, remat: bool, k: int, stages: int, repeats: in
         back = t - stages
         slot = jnp.clip(back, 0, k * repeats - 1) % k
         keep = (stage == 0) & (back >= 0) & (back < k * (repeats - 1))
-        waiting = jax.tree.map(lambda w, v: lax.dynamic_update_index_in_dim(
-            w, jnp.where(keep, v, _index(w, slot)), slot, 0), waiting, received)
+        waiting = jax.tree.map(lambda w, v: _put(w, slot, v, keep), waiting, received)
         again = jax.tree.map(lambda w: _index(w, m), waiting)
         fresh = jax.tree.map(lambda a, b: jnp.where(item >= k, b, a), fresh, again)
       r = jnp.clip(item // k, 0, repeats - 1)
@@ -270,9 +270,7 @@ def _scheduled(stage_fn: Callable, remat: bool, k: int, stages: int, repeats: in
       done = item - k * (repeats - 1)
       slot = jnp.clip(done, 0, k - 1)
       keep = (stage == last) & (done >= 0) & (done < k)
-      outputs = jax.tree.map(
-          lambda o, v: lax.dynamic_update_index_in_dim(
-              o, jnp.where(keep, v, _index(o, slot)), slot, 0), outputs, y)
+      outputs = jax.tree.map(lambda o, v: _put(o, slot, v, keep), outputs, y)
       return (lax.ppermute(y, stage_axis, ring), waiting, outputs), None
 
     waiting = inputs if circular else ()  # real activations in the slots, as `first`
@@ -327,8 +325,7 @@ def _streamed(stage_fn: Callable, remat: bool, k: int, stages: int, stage_axis: 
       m = t - 2 * last + stage  # the output this stage holds in transit in iteration t
       home = (m >= 0) & (m < k) & (m % stages == stage)
       slot = jnp.clip(m // stages, 0, own - 1)
-      outputs = jax.tree.map(lambda o, v: rows.set(
-          o, slot, jnp.where(home, v, rows.get(o, slot))), outputs, leaving)
+      outputs = jax.tree.map(lambda o, v: rows.put(o, slot, v, home), outputs, leaving)
       return (received, arriving, lax.ppermute(leaving, stage_axis, left), outputs), None
 
     carry = (first, first, first, jax.tree.map(jnp.zeros_like, x))
@@ -375,8 +372,7 @@ def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
       h = jax.tree.map(lambda a, r: jnp.where(stage == 0, rows.get(a, mf), r), x, received)
       slot = mf % slots
       keep = (f >= 0) & (f < k)
-      stash = jax.tree.map(lambda w, v: lax.dynamic_update_index_in_dim(
-          w, jnp.where(keep, v, _index(w, slot)), slot, 0), stash, h)
+      stash = jax.tree.map(lambda w, v: _put(w, slot, v, keep), stash, h)
       y = _like(stage_fn(params, h), h)
       b = t - (2 * stages - 2 - stage)
       mb = jnp.clip(b, 0, k - 1)
@@ -388,8 +384,7 @@ def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
       d_params, d_h = vjp(_like(cotangent, saved))
       grads = jax.tree.map(lambda g, d: g + jnp.where(done, d, jnp.zeros_like(d)), grads,
                            d_params)
-      dx = jax.tree.map(lambda o, d: rows.set(o, mb, jnp.where(done & (stage == 0), d,
-                                                                rows.get(o, mb))), dx, d_h)
+      dx = jax.tree.map(lambda o, d: rows.put(o, mb, d, done & (stage == 0)), dx, d_h)
       return (lax.ppermute(y, stage_axis, right), lax.ppermute(d_h, stage_axis, left),
               stash, grads, dx), None
 
@@ -416,8 +411,10 @@ class _MicroBatchRows:
     view = leaf.reshape(leaf.shape[0] // self.k, self.k, *leaf.shape[1:])
     return lax.dynamic_index_in_dim(view, m, axis=1, keepdims=False)
 
-  def set(self, leaf: jax.Array, m: Any, value: jax.Array) -> jax.Array:
+  def put(self, leaf: jax.Array, m: Any, value: jax.Array, keep: Any) -> jax.Array:
+    """``leaf`` with micro-batch ``m`` replaced by ``value`` where ``keep``."""
     view = leaf.reshape(leaf.shape[0] // self.k, self.k, *leaf.shape[1:])
+    value = jnp.where(keep, value, self.get(leaf, m))
     return lax.dynamic_update_index_in_dim(view, value, m, axis=1).reshape(leaf.shape)
 
 
@@ -428,6 +425,12 @@ def _to_micro_batches(k: int) -> Callable[[jax.Array], jax.Array]:
 
 def _from_micro_batches(leaf: jax.Array) -> jax.Array:
   return leaf.swapaxes(0, 1).reshape(leaf.shape[0] * leaf.shape[1], *leaf.shape[2:])
+
+
+def _put(buffer: jax.Array, slot: Any, value: jax.Array, keep: Any) -> jax.Array:
+  """``buffer`` with ``buffer[slot]`` replaced by ``value`` where ``keep``."""
+  return lax.dynamic_update_index_in_dim(buffer, jnp.where(keep, value, _index(buffer, slot)),
+                                         slot, 0)
 
 
 def _index(leaf: jax.Array, i: jax.Array) -> jax.Array:
@@ -500,8 +503,4 @@ def _like(y: Any, h: Any) -> Any:
         f"{describe(y)} (one micro-batch on one device). Every stage's output is the next "
         "stage's input; keep the shapes and dtypes fixed inside the pipeline and change "
         "them outside (embedding, head).")
-
-  def conform(a, b):
-    want = jax.typeof(b).sharding
-    return a if jax.typeof(a).sharding == want else jax.sharding.reshard(a, want.spec)
-  return jax.tree.map(conform, y, h)
+  return jax.tree.map(_typed_like, y, h)
