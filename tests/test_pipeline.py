@@ -77,29 +77,41 @@ def reference(params, batch):
     return jax.value_and_grad(lambda p: token_sums(p, batch, sequential).value())(params)
 
 
-def pipelined_loss(k: int, remat: bool = True):
+def pipelined_loss(k: int, remat: bool = True, **schedule):
   def loss(params, batch):
     return token_sums(params, batch, lambda stages, h: fxaccum.pipeline(
-        block, stages, h, micro_batches=k, remat=remat))
+        block, stages, h, micro_batches=k, remat=remat, **schedule))
   return loss
 
 
 def place(params, batch, mesh):
+  """The stage leaves over `stage` (after the circular schedule's leading R dimension),
+  tensor-parallel over `model` where the mesh has it; the batch over `data`."""
   model = "model" in mesh.axis_names
   data = P("data") if "data" in mesh.axis_names else P()
+  lead = (None,) * (params["stages"]["w1"].ndim - 3) + ("stage",)
   specs = {"embed": P(), "head": P(),
-           "stages": {"w1": P("stage", None, "model" if model else None),
-                      "w2": P("stage", "model" if model else None, None)}}
+           "stages": {"w1": P(*lead, None, "model" if model else None),
+                      "w2": P(*lead, "model" if model else None, None)}}
   params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
   return params, jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, data)), batch)
 
 
-def run(stages, k, axis_type=AxisType.Auto, outer=1, remat=True):
+def run(stages, k, axis_type=AxisType.Auto, outer=1, remat=True, differentiate="fxaccum",
+        schedule="gpipe", repeats=1):
+  """The pipelined token loss's value and gradients under fxaccum.value_and_grad (over
+  `outer` micro-batches) or jax.value_and_grad, and (step, args, mesh)."""
   shape, names = MESHES[stages]
   mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
-  step = jax.jit(fxaccum.value_and_grad(pipelined_loss(k, remat), micro_batches=outer))
+  loss = pipelined_loss(k, remat, schedule=schedule, repeats=repeats)
+  if differentiate == "fxaccum":
+    step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=outer))
+  else:
+    step = jax.jit(jax.value_and_grad(lambda p, b: loss(p, b).value()))
+  params = (circular_params(stages, repeats) if schedule == "circular"
+            else make_params(stages))
   with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
-    args = place(make_params(stages), make_batch(k), mesh)
+    args = place(params, make_batch(k), mesh)
     return step(*args), (step, args, mesh)
 
 
@@ -152,29 +164,6 @@ def circular_reference(params, batch):
     return jax.value_and_grad(lambda p: token_sums(p, batch, virtual_stages).value())(params)
 
 
-def run_circular(stages, k, repeats, axis_type, differentiate):
-  shape, names = MESHES[stages]
-  mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
-
-  def loss(params, batch):
-    return token_sums(params, batch, lambda stages, h: fxaccum.pipeline(
-        block, stages, h, micro_batches=k, schedule="circular", repeats=repeats))
-
-  if differentiate == "fxaccum":
-    step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=1))
-  else:
-    step = jax.jit(jax.value_and_grad(lambda p, b: loss(p, b).value()))
-  model = "model" in names
-  specs = {"embed": P(), "head": P(),
-           "stages": {"w1": P(None, "stage", None, "model" if model else None),
-                      "w2": P(None, "stage", "model" if model else None, None)}}
-  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
-    params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
-                          circular_params(stages, repeats), specs)
-    batch = jax.device_put(make_batch(k), NamedSharding(mesh, P("data")))
-    return step(params, batch), (step, (params, batch), mesh)
-
-
 @pytest.mark.parametrize("differentiate", ["fxaccum", "jax"])
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 @pytest.mark.parametrize("stages,k,repeats", [
@@ -184,7 +173,8 @@ def test_circular_schedule_matches_the_virtual_stages(stages, k, repeats, axis_t
   """Exact against R * S stages in a Python loop on one device: S in {2, 4} (S = 2 with
   tensor-parallel stages), k in {S, 2S, 4S}, R in {1, 2}, Auto and Explicit meshes, under
   fxaccum.value_and_grad and jax.value_and_grad, on the skewed token batch."""
-  (loss, grads), _ = run_circular(stages, k, repeats, axis_type, differentiate)
+  (loss, grads), _ = run(stages, k, axis_type, differentiate=differentiate,
+                         schedule="circular", repeats=repeats)
   ref_loss, ref_grads = circular_reference(circular_params(stages, repeats), make_batch(k))
   assert_tree_close(loss, ref_loss, rtol=1e-5)
   assert_tree_close(grads, ref_grads, rtol=1e-5)
@@ -194,7 +184,7 @@ def test_circular_schedule_runs_k_times_r_plus_s_minus_1_iterations():
   """R = 2 stages per device, S = 4, k = 8: 8 * 2 + 3 = 19 iterations, one ring permute
   each (the last device hands its outputs back to the first), the stage gradients reduced
   over the data axes once; the bubble is (S - 1) / (k R + S - 1)."""
-  _, (step, args, mesh) = run_circular(4, 8, 2, AxisType.Auto, "jax")
+  _, (step, args, mesh) = run(4, 8, differentiate="jax", schedule="circular", repeats=2)
   report = fxaccum.diagnostics.report(step, *args, mesh=mesh)
   permutes = report.select("collective-permute")
   assert {c.executions for c in permutes} == {8 * 2 + 3}, report.summary()
@@ -203,26 +193,9 @@ def test_circular_schedule_runs_k_times_r_plus_s_minus_1_iterations():
       pytest.approx(3 / 19))
 
 
-def run_1f1b(stages, k, axis_type, differentiate, outer=1):
-  shape, names = MESHES[stages]
-  mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
-
-  def loss(params, batch):
-    return token_sums(params, batch, lambda stages, h: fxaccum.pipeline(
-        block, stages, h, micro_batches=k, schedule="1f1b"))
-
-  if differentiate == "fxaccum":
-    step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=outer))
-  else:
-    step = jax.jit(jax.value_and_grad(lambda p, b: loss(p, b).value()))
-  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
-    args = place(make_params(stages), make_batch(k), mesh)
-    return step(*args)
-
-
 def test_1f1b_inside_in_step_accumulation():
   """fxaccum.value_and_grad over 2 micro-batches, each through the 1F1B pipeline in 2."""
-  loss, grads = run_1f1b(4, 2, AxisType.Auto, "fxaccum", outer=2)
+  (loss, grads), _ = run(4, 2, outer=2, schedule="1f1b")
   ref_loss, ref_grads = reference(make_params(4), make_batch(2))
   assert_tree_close(loss, ref_loss, rtol=1e-5)
   assert_tree_close(grads, ref_grads, rtol=1e-5)
@@ -234,7 +207,7 @@ def test_1f1b_inside_in_step_accumulation():
 def test_1f1b_matches_the_sequential_model(stages, k, axis_type, differentiate):
   """1F1B (forward kept nothing; the backward is one wavefront scan): exact against the
   stages in a Python loop on one device, as GPipe is; S = 2 with tensor-parallel stages."""
-  loss, grads = run_1f1b(stages, k, axis_type, differentiate)
+  (loss, grads), _ = run(stages, k, axis_type, differentiate=differentiate, schedule="1f1b")
   ref_loss, ref_grads = reference(make_params(stages), make_batch(k))
   assert_tree_close(loss, ref_loss, rtol=1e-5)
   assert_tree_close(grads, ref_grads, rtol=1e-5)
