@@ -4,10 +4,12 @@ from fxaccum import checkpoint, diagnostics
 from fxaccum._dynamic_scale import DynamicScale
 from fxaccum._flax import Optimizer, TrainState
 from fxaccum._instep import grad, value_and_grad
+from fxaccum._noise import NoiseScale
 from fxaccum._pipeline import pipeline
+from fxaccum._plan import Plan, PlanRow, plan_micro_batches
 from fxaccum._sync import Unreduced
 from fxaccum._transform import AccumulateState, accumulate, apply_gradients, is_boundary
-from fxaccum._weighted import Concat, State, Sum, Weighted
+from fxaccum._weighted import Concat, Max, Min, State, Sum, Weighted
 
 __version__ = "0.1.0"
 
@@ -15,7 +17,12 @@ __all__ = [
     "AccumulateState",
     "Concat",
     "DynamicScale",
+    "Max",
+    "Min",
+    "NoiseScale",
     "Optimizer",
+    "Plan",
+    "PlanRow",
     "State",
     "Sum",
     "TrainState",
@@ -29,5 +36,6 @@ __all__ = [
     "grad",
     "is_boundary",
     "pipeline",
+    "plan_micro_batches",
     "value_and_grad",
 ]

@@ -18,9 +18,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from fxaccum import _sync as sync
-from fxaccum._weighted import Concat, State, Sum, Weighted, safe_divide, weight_dtype
+from fxaccum._weighted import (
+    Concat,
+    Max,
+    Min,
+    State,
+    Sum,
+    Weighted,
+    highest,
+    lowest,
+    safe_divide,
+    weight_dtype,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +100,26 @@ def concatenated(aval: Any, micro_batches: int) -> Accumulator:
                      finalize)
 
 
+def extremum(marker: Max | Min, axes: Any) -> Accumulator:
+  """``Max`` / ``Min`` aux: the elementwise maximum (minimum) over micro-batches, in the
+  value's dtype, then over ``axes``; weights play no part (as for ``Sum``)."""
+  kind = type(marker)
+  aval, axes = marker.value, axes.value
+  largest = kind is Max
+  identity = lowest(aval.dtype) if largest else highest(aval.dtype)
+  combine = jnp.maximum if largest else jnp.minimum
+  across = lax.pmax if largest else lax.pmin
+
+  def init():
+    return kind(sync.vary(jnp.full(aval.shape, identity, aval.dtype), axes))
+
+  def finalize(carry, weight):
+    return across(carry.value, axes) if axes else carry.value
+
+  return Accumulator(init, lambda carry, value, index, weight: kind(
+      combine(carry.value, value.value.astype(aval.dtype))), finalize)
+
+
 def for_aux(marker: Any, axes: Any, micro_batches: int) -> Accumulator:
   """The accumulator of one aux output, by its marker type (a plain leaf: weighted mean)."""
   if isinstance(marker, Weighted):
@@ -100,6 +132,8 @@ def for_aux(marker: Any, axes: Any, micro_batches: int) -> Accumulator:
                        lambda carry, value, index, weight: Sum(
                            total.update(carry.value, value.value, index, weight)),
                        lambda carry, weight: total.finalize(carry.value, weight))
+  if isinstance(marker, (Max, Min)):
+    return extremum(marker, axes)
   if isinstance(marker, State):  # the last micro-batch's value
     return Accumulator(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), marker.value),
                        lambda carry, value, index, weight: value.value,

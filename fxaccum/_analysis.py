@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import Mesh, PartitionSpec, Sharding
@@ -78,11 +79,14 @@ class Rows:
 class Stat:
   """Reduced over the batch axis; ``mixed`` says why it is no linear sum of per-example
   terms (times ``D ** exp``); ``ratio``: it divides by another batch statistic (e.g. a
-  token mean of this micro-batch)."""
+  token mean of this micro-batch); ``extreme``: ``"max"`` (``"min"``) where it is the
+  maximum (minimum) over the examples of per-example values (then ``mixed`` says it is no
+  sum), through ops that keep it so (casts, reshapes, a negation swaps the two)."""
 
   mixed: str | None = None
   exp: Exp = 0.0
   ratio: bool = False
+  extreme: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -837,9 +841,15 @@ def _linear(eqn, kinds: list[Kind], exp: Exp) -> Stat:
   def nonlinear(what):
     return Stat(inherited or _where(eqn, what), exp)
 
-  if name in ("neg", "convert_element_type", "copy", "reduce_precision", "stop_gradient",
+  if name in ("convert_element_type", "copy", "reduce_precision", "stop_gradient",
               "real", "imag", "conj"):
-    return stats[0]
+    monotone = name in ("copy", "reduce_precision", "stop_gradient") or (
+        name == "convert_element_type" and _to_real_float(eqn))
+    return stats[0] if monotone else dataclasses.replace(stats[0], extreme=None)
+  if name == "neg":
+    negated = {"max": "min", "min": "max"}
+    extreme = stats[0].extreme
+    return dataclasses.replace(stats[0], extreme=negated[extreme] if extreme else None)
   if name in ("add", "add_any", "sub"):
     if len(stats) == 2:
       if stats[0].exp != stats[1].exp:
@@ -865,6 +875,14 @@ def _linear(eqn, kinds: list[Kind], exp: Exp) -> Stat:
   return nonlinear(f"applies {name} to a batch statistic")
 
 
+def _to_real_float(eqn) -> bool:
+  """Whether a cast is monotone (keeps a maximum one): from a real number to a float (not
+  to a bool or an integer, which wrap or saturate)."""
+  source, target = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
+  return (jnp.issubdtype(target, jnp.floating)
+          and not jnp.issubdtype(source, jnp.complexfloating))
+
+
 def _shift(dim: int, removed: Sequence[int]) -> int:
   return dim - sum(1 for r in removed if r < dim)
 
@@ -873,6 +891,7 @@ def _map_uniform(uniform: frozenset[int], mapping: dict[int, int]) -> frozenset[
   return frozenset(mapping[d] for d in uniform if d in mapping)
 
 
+_EXTREMES = {"reduce_max": "max", "reduce_min": "min"}
 _SIZE_FREE_REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_and", "reduce_or"})
 
 
@@ -898,15 +917,19 @@ def _reduction(linear: bool):
     extra = scaled - ({kind.dim} if isinstance(kind, Rows) else set())
     mixed = kind.mixed or (_where(eqn, "a reduction over a dimension whose size follows the "
                                   "number of rows") if extra else None)
+    extreme = _EXTREMES.get(name)
     if isinstance(kind, Rows):
       if kind.dim not in axes:
         return Rows(_shift(kind.dim, tuple(axes)), mixed, kind.exp, kind.order)
       if linear:
         return Stat(mixed, kind.exp)
       return Stat(mixed or _where(
-          eqn, f"{name} over the batch axis (not a sum over examples)"), kind.exp)
+          eqn, f"{name} over the batch axis (not a sum over examples)"), kind.exp,
+          extreme=extreme if mixed is None else None)
     if linear:
       return Stat(mixed, kind.exp)
+    if kind.extreme is not None and kind.extreme == extreme and not extra:
+      return kind  # e.g. the maximum over the other dims of a maximum over the examples
     return Stat(mixed or _where(eqn, f"{name} of a batch statistic"), kind.exp)
   return rule
 

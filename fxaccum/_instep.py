@@ -36,12 +36,17 @@ from fxaccum import _gather as gather_lib
 from fxaccum import _reduce as reduce_lib
 from fxaccum import _split as split
 from fxaccum import _sync as sync
+from fxaccum._noise import NoiseScale
 from fxaccum._weighted import (
     Concat,
+    Max,
+    Min,
     State,
     Sum,
     Weighted,
     all_finite,
+    highest,
+    lowest,
     safe_divide,
     weight_dtype,
 )
@@ -80,20 +85,24 @@ class _Options(TypedDict, total=False):
 @overload
 def value_and_grad(fun: Callable[_P, Any], argnums: int | Sequence[int] = ...,
                    has_aux: Literal[False] = ..., *, skip_nonfinite: Literal[False] = ...,
+                   noise_scale: Literal[False] = ...,
                    **options: Unpack[_Options]) -> Callable[_P, tuple[jax.Array, Any]]: ...
 @overload
 def value_and_grad(fun: Callable[_P, Any], argnums: int | Sequence[int] = ..., *,
                    has_aux: Literal[True], skip_nonfinite: Literal[False] = ...,
+                   noise_scale: Literal[False] = ...,
                    **options: Unpack[_Options]) -> Callable[_P, tuple[tuple[jax.Array, Any], Any]]:
   ...
 @overload
 def value_and_grad(fun: Callable[_P, Any], argnums: int | Sequence[int],
                    has_aux: Literal[True], *, skip_nonfinite: Literal[False] = ...,
+                   noise_scale: Literal[False] = ...,
                    **options: Unpack[_Options]) -> Callable[_P, tuple[tuple[jax.Array, Any], Any]]:
   ...
 @overload
 def value_and_grad(fun: Callable[_P, Any], argnums: int | Sequence[int] = ...,
                    has_aux: bool = ..., *, skip_nonfinite: bool = ...,
+                   noise_scale: bool = ...,
                    **options: Unpack[_Options]) -> Callable[_P, tuple[Any, Any]]: ...
 def value_and_grad(
     fun: Callable[_P, Any],
@@ -115,6 +124,7 @@ def value_and_grad(
     param_shardings: Any = None,
     skip_nonfinite: bool = False,
     loss_reduction: LossReduction = "mean",
+    noise_scale: bool = False,
 ) -> Callable[_P, tuple[Any, Any]]:  # see the overloads
   """Like ``jax.value_and_grad``, over ``micro_batches`` micro-batches of the batch.
 
@@ -134,8 +144,9 @@ def value_and_grad(
   * with ``has_aux=True``, ``fun`` returns ``(loss, aux)``. Plain ``aux`` leaves are
     averaged over the micro-batches with the loss's weights, in float32 (a micro-batch of
     weight 0 adds nothing); a ``Weighted`` leaf is normalized by its own weight; a
-    :class:`fxaccum.Sum` leaf is summed; a :class:`fxaccum.Concat` leaf (per-example
-    outputs) comes back for the whole batch, in its row order.
+    :class:`fxaccum.Sum` leaf is summed; a :class:`fxaccum.Max` / :class:`fxaccum.Min`
+    leaf is combined by its maximum / minimum; a :class:`fxaccum.Concat` leaf
+    (per-example outputs) comes back for the whole batch, in its row order.
 
   A flax NNX module among the arguments is taken the ``nnx.value_and_grad`` way: at a
   differentiated position its ``nnx.Param``s are differentiated (another filter:
@@ -211,6 +222,10 @@ def value_and_grad(
       (per device in the per-device view, summed over devices) comes back beside the aux:
       the function returns ``((value, skipped), grads)``, or ``((value, (aux, skipped)),
       grads)`` with ``has_aux=True``.
+    noise_scale: also return the step's :class:`fxaccum.NoiseScale`, the gradient noise
+      scale's inputs from the micro-batch gradients (docs/diagnostics.md, "Gradient noise
+      scale"): the function then returns ``((value, noise), grads)``, or ``((value, aux,
+      noise), grads)`` with ``has_aux`` (or ``skip_nonfinite``'s count in the aux's place).
     loss_reduction: ``"mean"`` (default: the weighted mean over micro-batches, see above)
       or ``"sum"``: the loss is already normalized globally, or is a plain sum (e.g.
       divided by a global token count, the Hugging Face ``num_items_in_batch`` pattern),
@@ -252,7 +267,7 @@ def value_and_grad(
       state_argnums=state_argnums,
       fsdp_reduce=fsdp_reduce, fsdp_gather=fsdp_gather, bucket_bytes=bucket_bytes,
       reduce=reduce, view=view, param_shardings=param_shardings,
-      skip_nonfinite=skip_nonfinite, loss_reduction=loss_reduction)
+      skip_nonfinite=skip_nonfinite, loss_reduction=loss_reduction, noise_scale=noise_scale)
   compiled: dict[Any, Callable[..., Any]] = {}  # one jitted program per layout (eager calls)
 
   @functools.wraps(fun)
@@ -268,12 +283,14 @@ def grad(
     has_aux: bool = False,
     *,
     skip_nonfinite: bool = False,
+    noise_scale: bool = False,
     **options: Unpack[_Options],
 ) -> Callable[_P, Any]:
   """Like ``jax.grad``, over micro-batches; see :func:`value_and_grad` for the arguments.
 
   Returns ``grads``, or ``(grads, aux)`` with ``has_aux=True`` (and with
-  ``skip_nonfinite=True``: see :func:`value_and_grad`).
+  ``skip_nonfinite=True``: see :func:`value_and_grad`); with ``noise_scale=True``,
+  ``(grads, noise)`` or ``(grads, (aux, noise))``.
 
   Example:
     >>> import jax.numpy as jnp, fxaccum
@@ -284,12 +301,14 @@ def grad(
     Array([2.], dtype=float32)
   """
   value_and_grad_fn = value_and_grad(fun, argnums, has_aux, skip_nonfinite=skip_nonfinite,
-                                     **options)
+                                     noise_scale=noise_scale, **options)
   with_aux = has_aux or skip_nonfinite
 
   @functools.wraps(fun)
   def grad_fn(*args, **call_kwargs):
     value, grads = value_and_grad_fn(*args, **call_kwargs)
+    if noise_scale:  # value is (value, aux, noise) or (value, noise)
+      return grads, (value[1:] if with_aux else value[1])
     return (grads, value[1]) if with_aux else grads
 
   return grad_fn
@@ -298,7 +317,7 @@ def grad(
 def _make_config(fun, argnums, has_aux, *, micro_batches, micro_batch_size, batch_argnums,
                  data_axes, accum_dtype, rng_argnums, state_argnums, fsdp_reduce,
                  fsdp_gather, bucket_bytes, reduce, view, param_shardings, skip_nonfinite,
-                 loss_reduction) -> _Config:
+                 loss_reduction, noise_scale) -> _Config:
   """Validates ``value_and_grad``'s arguments (all static) into a :class:`_Config`."""
   if (micro_batches is None) == (micro_batch_size is None):
     raise TypeError(
@@ -354,6 +373,16 @@ def _make_config(fun, argnums, has_aux, *, micro_batches, micro_batch_size, batc
     raise ValueError(
         "loss_reduction='sum' with reduce=False: cross-step accumulation averages its calls "
         "by their weights. Return fxaccum.Weighted(total, count) from the loss instead.")
+  if noise_scale and (loss_reduction == "sum" or not reduce):
+    raise ValueError(
+        "noise_scale=True needs each micro-batch's mean loss and the step's reduced gradient: "
+        "use the default loss_reduction='mean' (a sum over the batch: return "
+        "fxaccum.Weighted(total, count)) and reduce=True.")
+  if noise_scale and fsdp_gather == "per_micro_batch":
+    raise ValueError(
+        "noise_scale=True with fsdp_gather='per_micro_batch': the gradients come back "
+        "reduce-scattered from the backward pass, so no device holds its own micro-batch's "
+        "gradient to take the norm of. Use the default fsdp_gather='per_step'.")
   accum_dtype = jnp.dtype(accum_dtype)
   if not jnp.issubdtype(accum_dtype, jnp.floating):
     raise TypeError(f"accum_dtype must be a float dtype, got {accum_dtype}.")
@@ -374,7 +403,7 @@ def _make_config(fun, argnums, has_aux, *, micro_batches, micro_batch_size, batc
       param_shardings=param_shardings, accum_dtype=accum_dtype, fsdp_reduce=fsdp_reduce,
       fsdp_gather=fsdp_gather, bucket_bytes=bucket_bytes,
       reduce=bool(reduce), view=view, skip_nonfinite=bool(skip_nonfinite),
-      loss_reduction=loss_reduction)
+      loss_reduction=loss_reduction, noise_scale=bool(noise_scale))
 
 
 def _call(config: _Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> Any:
@@ -509,6 +538,7 @@ class _Config:
   view: _view.View
   skip_nonfinite: bool
   loss_reduction: LossReduction
+  noise_scale: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -526,6 +556,9 @@ class _Call:
   kwargs: dict[str, Any]
   state: Any = ((), ())
   modules: _nnx.Modules | None = None
+  # Appended by each trace of the loss: whether it returned fxaccum.Weighted (else a mean
+  # over its examples), which says what a micro-batch's size is for noise_scale.
+  weighted: list[bool] = dataclasses.field(default_factory=list, compare=False)
 
   def batch(self, config: _Config) -> dict[int, Any]:
     return {i: self.rest[i] for i in config.batch_argnums}
@@ -559,6 +592,7 @@ class _Call:
           "already divided by a global count, or a plain sum), or use the default "
           "loss_reduction='mean'.")
     total, weight = _total_and_weight(loss)
+    self.weighted.append(isinstance(loss, Weighted))
     return total, weight, aux, state, sown
 
 
@@ -702,8 +736,20 @@ def _run(config: _Config, layout: sync.Layout, kwargs: dict, modules: _nnx.Modul
   if config.single_argnum and not isinstance(grads, sync.Unreduced):
     grads = grads[0]
   keep_aux = config.has_aux or config.skip_nonfinite
+  if config.noise_scale:  # (value, aux, noise), or (value, noise) without an aux
+    value, aux, terms = value_aux
+    return ((value, aux, _noise_scale(terms, grads)) if keep_aux
+            else (value, _noise_scale(terms, grads)), grads), after
   result = (value_aux, grads) if keep_aux else (value_aux[0], grads)
   return result, after
+
+
+def _noise_scale(terms: jax.Array, grads: Any) -> NoiseScale:
+  """The step's :class:`fxaccum.NoiseScale` from its small batches' summed
+  :data:`_NOISE_TERMS` and its gradient."""
+  sq_sum, count, inverse_sum, size_sum = terms
+  return NoiseScale(small_sq_norm=sq_sum / count, big_sq_norm=_sq_norm(grads),
+                    small_batch=count / inverse_sum, big_batch=size_sum)
 
 
 def _warn_gathered_by_the_compiler(config: _Config, layout: sync.Layout,
@@ -722,7 +768,8 @@ def _direct(config: _Config, layout: sync.Layout, call: _Call) -> Any:
   reduction of ``jax.value_and_grad``'s program is already one per step, so that program
   runs, without a per-device region or a loop. None where it does not trace (code valid
   only per device, e.g. FSDP params beside a data-sharded batch on an Explicit mesh)."""
-  if config.micro_batches != 1 or config.view != "auto" or not config.reduce:
+  if (config.micro_batches != 1 or config.view != "auto" or not config.reduce
+      or config.noise_scale):  # noise_scale: each device's gradient is a small batch
     return None
   path = _view.Path("global", "one micro-batch: the step runs as jax.value_and_grad runs it",
                     layout.data_axes)
@@ -902,7 +949,7 @@ def _roles(closed: Any, aux: Any, state: Any, sown: Any, n_diff: int,
       roles.extend(["aux_total", "aux_weight"])
       continue
     by_marker: dict[type, _view.Role] = {Sum: "aux_sum", Concat: "aux_concat",
-                                         State: "state"}
+                                         Max: "aux_max", Min: "aux_min", State: "state"}
     role = by_marker.get(type(marker), "aux")
     roles.extend([role] * len(jax.tree.leaves(marker)))
   # Threaded module state must pass through unchanged for the per-device view.
@@ -992,7 +1039,8 @@ def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call,
     aux_specs = (aux_specs, P()) if config.has_aux else P()
   region = sync.shard_map_keeping_axes(
       local, mesh=layout.mesh, in_specs=in_specs,
-      out_specs=((P(), aux_specs), grad_specs, P()), axis_names=set(axes))
+      out_specs=((P(), aux_specs, *[P()] * config.noise_scale), grad_specs, P()),
+      axis_names=set(axes))
   with jax.named_scope(_view.record(path)):
     value_aux, grad_leaves, after = region(diff_leaves, rest, arrays, state)
   return value_aux, _package(config, call, grad_leaves), after
@@ -1083,11 +1131,11 @@ def _device_loop(config: _Config, layout: sync.Layout, call: _Call, presummed: b
       lambda sums, grads, index, weight: [
           total + g.astype(total.dtype) for total, g in zip(sums, grads, strict=True)],
       finalize)
-  (value, aux), grads, local_weight, after = _loop(
+  value_aux, grads, local_weight, after = _loop(
       config, call, axes, whole, gather_in_loop, sums, presummed)
   if not config.reduce:  # each device's sums, one slot per device
     grads = ([total[None] for total in grads], sync.vary(local_weight, axes)[None])
-  return (value, aux), grads, after
+  return value_aux, grads, after
 
 
 def _global(config: _Config, layout: sync.Layout, path: _view.Path,
@@ -1143,9 +1191,9 @@ def _global_loop(config: _Config, layout: sync.Layout, path: _view.Path,
 
   path = dataclasses.replace(path, reduced_leaves=sum(map(bool, reduced)), leaves=len(whole))
   with jax.named_scope(_view.record(path)):
-    (value, aux), grads, _, after = _loop(config, call, (), whole, [()] * len(whole),
+    value_aux, grads, _, after = _loop(config, call, (), whole, [()] * len(whole),
                                           acc.Accumulator(init, update, finalize))
-  return (value, aux), grads, after
+  return value_aux, grads, after
 
 
 def _spec_of(leaf: Any, hint: P | None) -> tuple[Any, ...]:
@@ -1194,7 +1242,7 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
   leaf that depends on the batch but does not vary over some of those axes was summed over
   them by the loss itself (its ``psum``) and is not summed again; the gradients always are.
 
-  Returns ``((value, aux), grads, local_weight, (state, sown))``: ``grads`` as
+  Returns ``((value, aux[, noise terms]), grads, local_weight, (state, sown))``: ``grads`` as
   ``grads.finalize`` gives them, ``local_weight`` this device's share of the summed loss
   weight (the shares add up to it over ``axes``), ``sown`` the values sown per
   micro-batch, stacked.
@@ -1238,21 +1286,31 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
       for marker, marker_axes in zip(markers, jax.tree.leaves(aux_axes, is_leaf=_is_marker),
                                      strict=True)])
   skipped = acc.summed(jax.ShapeDtypeStruct((), jnp.int32), axes)  # skip_nonfinite's count
-  sums = acc.combined([grads, total, weight, aux, skipped])
+  noise = acc.summed(jax.ShapeDtypeStruct((len(_NOISE_TERMS),), jnp.float32), axes)
+  sums = acc.combined([grads, total, weight, aux, skipped, noise])
+  if config.noise_scale:
+    _check_noise_scale(weight_axes, axes)
+  micro_rows = jax.tree.leaves(batch)[0].shape[0] // k
+  weighted = call.weighted[-1]
 
   def body(carry, index):
     sums_carry, old_state = carry
     (loss_total, (loss_weight, aux_values, state, sown)), grad_values = jax.tree.unflatten(
         out_def, traced_step(*jax.tree.leaves((whole, index, old_state))))
+    # This device's (or, global view, the micro-batch's) gradient, before any reduction.
+    sq_norm = _sq_norm(grad_values) if config.noise_scale else 0.0
     if any(gather_dims) and not per_use:  # local gradients, reduce-scattered in buckets
       grad_values = reduce_lib.reduce_leaves(
           grad_values, [(dims, ()) for dims in gather_dims], config.bucket_bytes)
     values = [grad_values, loss_total, loss_weight,
-              jax.tree.leaves(aux_values, is_leaf=_is_marker), jnp.zeros((), jnp.int32)]
+              jax.tree.leaves(aux_values, is_leaf=_is_marker), jnp.zeros((), jnp.int32),
+              jnp.zeros(len(_NOISE_TERMS), jnp.float32)]
     if config.skip_nonfinite:  # a non-finite micro-batch contributes nothing
       good = all_finite((loss_total, grad_values))
       values, state = _drop_unless(good, values, state, old_state)
       loss_weight = values[2]
+    if config.noise_scale:
+      values[5] = _noise_terms(sq_norm, loss_weight, 1 if weighted else micro_rows)
     threaded = iter(state[1])  # a State aux is the threaded value the loop carries on
     values[3] = [State(next(threaded)) if isinstance(m, State) else m for m in values[3]]
     carry = (sums.update(sums_carry, values, index, loss_weight), state)
@@ -1264,7 +1322,7 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
     sown = jax.tree.map(lambda x: x[None], sown)
   else:
     (sums_carry, state), sown = lax.scan(body, init, jnp.arange(k))
-  grad_sums, total_sum, weight_sum, aux_sums, skipped_sum = sums_carry
+  grad_sums, total_sum, weight_sum, aux_sums, skipped_sum, noise_sum = sums_carry
 
   with jax.named_scope("fxaccum_reduce"):
     shared = [a for a in axes if a not in weight_axes]
@@ -1281,7 +1339,43 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
       aux_values = (aux_values, count) if config.has_aux else count
     value = safe_divide(total.finalize(total_sum, norm), norm).astype(total_aval.dtype)
     grad_values = grads.finalize(grad_sums, norm)
-  return (value, aux_values), grad_values, local_weight, (state, sown)
+    value_aux: tuple[Any, ...] = (value, aux_values)
+    if config.noise_scale:  # the small batches' terms, summed over them
+      value_aux += (noise.finalize(noise_sum, None),)
+  return value_aux, grad_values, local_weight, (state, sown)
+
+
+# Per small batch i (a micro-batch, per device in the per-device view) of loss weight w_i,
+# size b_i and gradient sum g_i (so g_i / w_i is its mean loss's gradient), summed over
+# the small batches of nonzero weight.
+_NOISE_TERMS = ("|g_i / w_i|^2", "count", "1 / b_i", "b_i")
+
+
+def _noise_terms(sq_norm: jax.Array, weight: jax.Array, rows: int) -> jax.Array:
+  """One small batch's :data:`_NOISE_TERMS`; ``rows``: the examples a unit of weight stands
+  for (a mean loss weighs 1 and stands for the micro-batch's rows, a Weighted one 1)."""
+  w = weight.astype(jnp.float32)
+  taken = w != 0  # skipped and all-padding micro-batches are left out
+  safe = jnp.where(taken, w, 1)
+  size = safe * rows
+  return jnp.where(taken, jnp.stack([sq_norm / safe**2, 1.0, 1 / size, size]), 0.0)
+
+
+def _sq_norm(tree: Any) -> jax.Array:
+  """The squared norm of every leaf of ``tree`` together, in float32."""
+  return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)),
+             jnp.float32(0))
+
+
+def _check_noise_scale(weight_axes: frozenset[str], axes: tuple[str, ...]):
+  """noise_scale's small batches are each device's share of a micro-batch (or the global
+  micro-batch): the device's gradient must be that share's gradient, not yet reduced."""
+  if set(weight_axes) != set(axes):
+    raise ValueError(
+        f"noise_scale=True inside a shard_map where the loss sums its weight over "
+        f"{sorted(set(axes) - set(weight_axes))} itself (e.g. sequence parallelism): a "
+        f"device's gradient is then a part of a small batch's gradient, not one of its "
+        f"own. Call fxaccum.value_and_grad outside the shard_map to get the noise scale.")
 
 
 def _summed_over(closed: jax.extend.core.ClosedJaxpr, axes: tuple[str, ...], batch: Any,
@@ -1306,10 +1400,10 @@ def _retyped(carry: Any, *, like: Any, axes: tuple[str, ...]) -> Any:
 
 def _drop_unless(good: jax.Array, values: list[Any], state: Any,
                  old_state: Any) -> tuple[list[Any], Any]:
-  """A micro-batch's ``[grads, total, weight, aux, skipped]`` and module state, or nothing
+  """A micro-batch's ``[grads, total, weight, aux, skipped, noise]`` and module state, or nothing
   from it unless ``good``: zeros (Concat rows are kept, in place), a skip counted, and the
   state it started from."""
-  grads, total, weight, aux, _ = values
+  grads, total, weight, aux, _, noise = values
 
   def zero(x):
     return jnp.where(good, x, jnp.zeros_like(x))
@@ -1319,14 +1413,22 @@ def _drop_unless(good: jax.Array, values: list[Any], state: Any,
       return new  # keys are not advanced by a call; their counts are
     return jnp.where(good, new, old)
 
-  aux = [a if isinstance(a, Concat) else jax.tree.map(zero, a) for a in aux]
+  def dropped(a):  # what the skipped micro-batch adds: nothing to each accumulator
+    if isinstance(a, Concat):
+      return a
+    if isinstance(a, (Max, Min)):
+      identity = lowest if isinstance(a, Max) else highest
+      return type(a)(jnp.where(good, a.value, identity(jnp.result_type(a.value))))
+    return jax.tree.map(zero, a)
+
+  aux = [dropped(a) for a in aux]
   values = [[zero(g) for g in grads], zero(total), zero(weight), aux,
-            (~good).astype(jnp.int32)]
+            (~good).astype(jnp.int32), noise]
   return values, jax.tree.map(keep_old, state, old_state)
 
 
 def _is_marker(x: Any) -> bool:
-  return isinstance(x, (Weighted, Sum, Concat, State))
+  return isinstance(x, (Weighted, Sum, Max, Min, Concat, State))
 
 
 def _ordered(axes: tuple[str, ...], subset: frozenset[str]) -> tuple[str, ...]:

@@ -81,7 +81,7 @@ def recorded(hlo_text: str) -> list[Path]:
 
 
 Role = Literal["total", "weight", "aux", "aux_total", "aux_weight", "aux_sum", "aux_concat",
-               "state", "state_update", "sown", "grad"]
+               "aux_max", "aux_min", "state", "state_update", "sown", "grad"]
 
 
 def _lam(kind: _analysis.Kind) -> float | None:
@@ -130,6 +130,13 @@ def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role],
       continue
     if role == "state":
       continue
+    if role in ("aux_max", "aux_min"):
+      extreme = role.removeprefix("aux_")
+      if not _extremum_over_examples(kind, extreme):
+        return (f"a {extreme.capitalize()} aux leaf is no {extreme}imum over the examples of "
+                "per-example values (per device, it would be another device's value, "
+                "not the batch's)"), ""
+      continue
     if lam is None:
       return _mixed_reason(kind, role), ""
     if role == "aux_sum" and lam != 0:
@@ -164,11 +171,20 @@ def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role],
   return None, "sum" if lams[0] == 0 else "mean" if lams[0] == 1 else "ratio"
 
 
+def _extremum_over_examples(kind: _analysis.Kind, extreme: str) -> bool:
+  """Whether a value combines over devices by its maximum (``extreme="max"``) or minimum:
+  batch-independent, or that extremum over examples of values independent of their number."""
+  if isinstance(kind, _analysis.Const):
+    return kind.exp == 0
+  return isinstance(kind, _analysis.Stat) and kind.extreme == extreme and kind.exp == 0
+
+
 def _mixed_reason(kind: _analysis.Kind, role: Role) -> str:
   what = {"total": "the loss", "weight": "the loss's weight", "aux": "an aux leaf",
           "grad": "a gradient",
           "aux_total": "a Weighted aux leaf", "aux_weight": "a Weighted aux leaf's weight",
-          "aux_sum": "a Sum aux leaf", "aux_concat": "a Concat aux leaf"}.get(role, role)
+          "aux_sum": "a Sum aux leaf", "aux_concat": "a Concat aux leaf",
+          "aux_max": "a Max aux leaf", "aux_min": "a Min aux leaf"}.get(role, role)
   reason = _analysis.mixing(kind)
   if isinstance(kind, _analysis.Rows) and reason is None:  # e.g. per-example outputs
     return f"{what} keeps the batch axis, so it is no sum or mean over examples"

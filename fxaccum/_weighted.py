@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Concat", "State", "Sum", "Weighted", "all_finite", "safe_divide", "weight_dtype"]
+__all__ = ["Concat", "Max", "Min", "State", "Sum", "Weighted", "all_finite", "highest", "lowest",
+           "safe_divide", "weight_dtype"]
 
 
 @jax.tree_util.register_dataclass
@@ -81,6 +82,60 @@ class Sum:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Max:
+  """An aux output combined by its maximum over all micro-batches and devices, e.g. an
+  fp8 scaling's ``amax``: ``fxaccum.Max(jnp.max(jnp.abs(x)))``.
+
+  The result is the elementwise maximum of the micro-batches' values (in the value's
+  dtype), so for a maximum over the micro-batch's examples it is the maximum over the
+  whole batch. On a mesh the loss runs per device only where the value provably is such
+  a maximum (a ``jnp.max`` over the examples, or batch-independent); then each device's
+  maximum is combined with one ``pmax``. Integer and boolean values work too; a step whose
+  micro-batches are all skipped (``skip_nonfinite``) gives the dtype's lowest value.
+
+  Attributes:
+    value: the micro-batch's value (any shape).
+
+  Example:
+    >>> import jax.numpy as jnp, fxaccum
+    >>> def loss(w, x):
+    ...   return jnp.mean(x * w), fxaccum.Max(jnp.max(jnp.abs(x)))
+    >>> x = jnp.array([[1.0], [-5.0], [3.0], [2.0]])
+    >>> (value, amax), _ = fxaccum.value_and_grad(loss, has_aux=True, micro_batches=2)(
+    ...     jnp.ones(1), x)
+    >>> amax   # over the whole batch, not the last micro-batch
+    Array(5., dtype=float32)
+  """
+
+  value: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Min:
+  """An aux output combined by its minimum over all micro-batches and devices; see
+  :class:`fxaccum.Max` (a step whose micro-batches are all skipped gives the dtype's
+  highest value).
+
+  Attributes:
+    value: the micro-batch's value (any shape).
+
+  Example:
+    >>> import jax.numpy as jnp, fxaccum
+    >>> def loss(w, x):
+    ...   return jnp.mean(x * w), fxaccum.Min(jnp.min(x))
+    >>> x = jnp.array([[1.0], [-5.0], [3.0], [2.0]])
+    >>> (value, low), _ = fxaccum.value_and_grad(loss, has_aux=True, micro_batches=2)(
+    ...     jnp.ones(1), x)
+    >>> low
+    Array(-5., dtype=float32)
+  """
+
+  value: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Concat:
   """A per-example aux output (batch on axis 0), returned for the whole batch in the
   original row order: e.g. ``fxaccum.Concat(logits)`` or per-example losses.
@@ -129,6 +184,26 @@ class State:
   """
 
   value: Any
+
+
+def lowest(dtype: Any) -> Any:
+  """The identity of a maximum in ``dtype``: -inf, the lowest integer, or False."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return -jnp.inf
+  if dtype == jnp.bool_:
+    return False
+  return jnp.iinfo(dtype).min
+
+
+def highest(dtype: Any) -> Any:
+  """The identity of a minimum in ``dtype``: inf, the highest integer, or True."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return jnp.inf
+  if dtype == jnp.bool_:
+    return True
+  return jnp.iinfo(dtype).max
 
 
 def weight_dtype(weight: Any) -> jnp.dtype:

@@ -29,11 +29,12 @@ import numpy as np
 
 from fxaccum import _sync as sync
 from fxaccum import _view
+from fxaccum._noise import NoiseScaleEMA
 from fxaccum._pipeline import bubble_fraction
 from fxaccum._view import Path
 
-__all__ = ["Collective", "Memory", "Path", "Report", "REDUCTIONS", "bubble_fraction",
-           "from_compiled", "paths", "report"]
+__all__ = ["Collective", "Memory", "NoiseScaleEMA", "Path", "Report", "REDUCTIONS",
+           "bubble_fraction", "from_compiled", "paths", "report"]
 
 #: Collective kinds that reduce (sum) values across devices.
 REDUCTIONS = ("all-reduce", "reduce-scatter")
@@ -272,18 +273,23 @@ def from_compiled(compiled: Any, mesh: Any = None) -> Report:
     >>> rep.collectives, rep.memory.output_bytes
     ((), 32)
   """
-  memory = None
-  analysis = compiled.memory_analysis()
-  if analysis is not None:
-    memory = Memory(
-        temp_bytes=int(analysis.temp_size_in_bytes),
-        argument_bytes=int(analysis.argument_size_in_bytes),
-        output_bytes=int(analysis.output_size_in_bytes),
-        alias_bytes=int(analysis.alias_size_in_bytes),
-        generated_code_bytes=int(analysis.generated_code_size_in_bytes),
-    )
   text = compiled.as_text()
-  return Report(tuple(parse_hlo(text, mesh)), memory, tuple(_view.recorded(text)))
+  return Report(tuple(parse_hlo(text, mesh)), memory_of(compiled),
+                tuple(_view.recorded(text)))
+
+
+def memory_of(compiled: Any) -> Memory | None:
+  """The compiled program's memory figures per device (None where the backend has none)."""
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    return None
+  return Memory(
+      temp_bytes=int(analysis.temp_size_in_bytes),
+      argument_bytes=int(analysis.argument_size_in_bytes),
+      output_bytes=int(analysis.output_size_in_bytes),
+      alias_bytes=int(analysis.alias_size_in_bytes),
+      generated_code_bytes=int(analysis.generated_code_size_in_bytes),
+  )
 
 
 def parse_hlo(text: str, mesh: Any = None) -> list[Collective]:

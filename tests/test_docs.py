@@ -173,7 +173,16 @@ def check_metrics(out):
   assert abs(float(accuracy[0]) - float(accuracy[1])) < 1e-6, out
   correct = re.search(r"correct tokens\s+(\d+) whole batch: (\d+)", out).groups()
   assert correct[0] == correct[1], out
+  largest = re.search(r"max \|logit\|\s+(\S+) whole batch: (\S+)", out).groups()
+  assert largest[0] == largest[1], out
   assert "equal to the whole batch's: True" in out, out
+
+
+def check_noise_scale(out):
+  """The smoothed B_simple within 10 % of the closed form (the page's claim)."""
+  found = re.search(r"B_simple (\S+), closed form (\S+)", out)
+  estimate, truth = (float(v) for v in found.groups())
+  assert abs(estimate / truth - 1) < 0.1, out
 
 
 def check_equal_pair(out):
@@ -196,6 +205,7 @@ CHECKS = {
     "docs/instep.md[6]": lambda out: out.split() == ["0.0", "1"] or pytest.fail(out),
     "docs/instep.md[7]": check_metrics,
     "docs/normalization.md[0]": check_equal_pair,
+    "docs/diagnostics.md[2]": check_noise_scale,
     "docs/pipeline.md[1]": lambda out: float(out) < 1e-6 or pytest.fail(out),
     "docs/pipeline.md[2]": lambda out: "4 all-gathers" in out or pytest.fail(out),
     "README.md[1]": lambda out: "2 optimizer steps" in out or pytest.fail(out),

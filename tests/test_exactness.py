@@ -219,6 +219,8 @@ def aux_kinds_loss(params, batch):
   aux = {"mean": jnp.mean(per_example),  # averaged with the loss's (token) weights
          "ratio": fxaccum.Weighted(jnp.sum(per_example > 0.5), jnp.sum(batch["mask"][:, 0])),
          "count": fxaccum.Sum(jnp.sum(batch["mask"])),
+         "amax": fxaccum.Max(jnp.max(jnp.abs(per_token))),
+         "lowest": fxaccum.Min(jnp.min(per_example - 10.0)),
          "rows": fxaccum.Concat(per_example)}
   return fxaccum.Weighted(jnp.sum(per_token), jnp.sum(batch["mask"])), aux
 
@@ -239,7 +241,9 @@ def test_every_aux_kind_in_every_view(axis_type, view):
   per_example = np.asarray(jnp.sum(data["mask"] * token_loss(params, data), -1))
   expected = {"mean": np.sum(weights * means) / np.sum(weights),
               "ratio": np.sum(per_example > 0.5) / np.sum(data["mask"][:, 0]),
-              "count": np.sum(data["mask"]), "rows": per_example}
+              "count": np.sum(data["mask"]), "rows": per_example,
+              "amax": np.max(np.abs(data["mask"] * token_loss(params, data))),
+              "lowest": np.min(per_example) - 10.0}
   assert not np.isclose(expected["mean"], np.mean(means))  # weights matter here
   mesh = mesh_of((4, 2), ("data", "model"), axis_type)
   with jax.set_mesh(mesh):

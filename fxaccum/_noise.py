@@ -1,0 +1,152 @@
+"""The gradient noise scale of a step, from the micro-batch gradients it already computes.
+
+McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", App. A.1) estimate
+the true gradient's squared norm |𝒢|² and the trace of the per-example gradient
+covariance tr Σ from the squared norms of two gradients over batches of different sizes:
+``E|G_B|² = |𝒢|² + tr Σ / B``. With gradient accumulation the small batches are the
+micro-batches (each device's share of one, per device) and the big one is the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+__all__ = ["NoiseScale", "NoiseScaleEMA"]
+
+
+def _grad_sq(small_sq, big_sq, small_batch, big_batch):
+  """|𝒢|² = (B_big |G_big|² - B_small |G_small|²) / (B_big - B_small); NaN for B_big = B_small."""
+  gap = big_batch - small_batch
+  safe = jnp.where(gap != 0, gap, 1)
+  return jnp.where(gap != 0, (big_batch * big_sq - small_batch * small_sq) / safe, jnp.nan)
+
+
+def _trace_sigma(small_sq, big_sq, small_batch, big_batch):
+  """tr Σ = (|G_small|² - |G_big|²) / (1 / B_small - 1 / B_big); NaN for B_big = B_small."""
+  gap = big_batch - small_batch
+  scale = small_batch * big_batch / jnp.where(gap != 0, gap, 1)
+  return jnp.where(gap != 0, (small_sq - big_sq) * scale, jnp.nan)
+
+
+class NoiseScale(NamedTuple):
+  """One step's gradient noise statistics (``value_and_grad(..., noise_scale=True)``).
+
+  The two-batch estimator of McCandlish et al. 2018, App. A.1: micro-batch gradients
+  ``g_i`` (each the gradient of one micro-batch's mean loss; per device in the per-device
+  view) are the small batches, the step's gradient ``G`` the big one. The estimates are
+  unbiased but noisy: smooth them over steps with
+  :class:`fxaccum.diagnostics.NoiseScaleEMA` before taking their ratio. Where the two
+  batch sizes coincide (one micro-batch on one device) the estimates are NaN.
+
+  Attributes:
+    small_sq_norm: the mean of ``|g_i|²`` over the micro-batches of nonzero weight.
+    big_sq_norm: ``|G|²``.
+    small_batch: the batch size the small batches stand for: the harmonic mean of the
+      micro-batches' sizes (examples for a scalar loss, the ``Weighted`` weights, e.g.
+      tokens, otherwise), since ``E|g_i|² = |𝒢|² + tr Σ / b_i``.
+    big_batch: the step's size (all examples, or the summed weight).
+
+  Example:
+    >>> import jax.numpy as jnp, fxaccum
+    >>> noise = fxaccum.NoiseScale(small_sq_norm=jnp.float32(5.0), big_sq_norm=jnp.float32(2.0),
+    ...                            small_batch=jnp.float32(1.0), big_batch=jnp.float32(4.0))
+    >>> float(noise.grad_sq), float(noise.trace_sigma), float(noise.b_simple)
+    (1.0, 4.0, 4.0)
+  """
+
+  small_sq_norm: jax.Array
+  big_sq_norm: jax.Array
+  small_batch: jax.Array
+  big_batch: jax.Array
+
+  @property
+  def grad_sq(self) -> jax.Array:
+    """The estimate of ``|𝒢|²``, the true gradient's squared norm."""
+    return _grad_sq(*self)
+
+  @property
+  def trace_sigma(self) -> jax.Array:
+    """The estimate of ``tr Σ``, the trace of the per-example gradient covariance (per
+    unit of batch size: example or weight)."""
+    return _trace_sigma(*self)
+
+  @property
+  def b_simple(self) -> jax.Array:
+    """The simple noise scale ``tr Σ / |𝒢|²`` from this step alone (noisy)."""
+    return self.trace_sigma / self.grad_sq
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NoiseScaleEMA:
+  """Exponential moving averages of ``|𝒢|²`` and ``tr Σ`` over steps, as McCandlish et al.
+  advise, with their ratio ``b_simple``: a small pytree for ``jit`` and train states.
+
+  Each estimate is smoothed separately (bias-corrected, as Adam's moments), then divided:
+  the ratio of the averages, not the average of the noisy per-step ratios. A step whose
+  estimates are not finite (NaN: one micro-batch on one device) leaves the averages as
+  they are.
+
+  Attributes:
+    decay: the averages' decay per step (static).
+    grad_sq_sum: the decayed sum of ``|𝒢|²`` estimates.
+    trace_sigma_sum: the decayed sum of ``tr Σ`` estimates.
+    weight: the decayed count of steps taken in (``1 - decay ** steps``).
+
+  Example:
+    >>> import jax.numpy as jnp, fxaccum
+    >>> ema = fxaccum.diagnostics.NoiseScaleEMA(decay=0.9)
+    >>> noise = fxaccum.NoiseScale(jnp.float32(5.0), jnp.float32(2.0), jnp.float32(1.0),
+    ...                            jnp.float32(4.0))
+    >>> ema = ema.update(noise)
+    >>> float(ema.grad_sq), float(ema.trace_sigma), float(ema.b_simple)
+    (1.0, 4.0, 4.0)
+  """
+
+  decay: float = dataclasses.field(default=0.95, metadata={"static": True})
+  grad_sq_sum: ArrayLike = dataclasses.field(default_factory=lambda: np.float32(0.0))
+  trace_sigma_sum: ArrayLike = dataclasses.field(default_factory=lambda: np.float32(0.0))
+  weight: ArrayLike = dataclasses.field(default_factory=lambda: np.float32(0.0))
+
+  def __post_init__(self):
+    if isinstance(self.decay, (int, float)) and not 0 <= self.decay < 1:
+      raise ValueError(f"NoiseScaleEMA's decay must be in [0, 1), got {self.decay}.")
+
+  def update(self, noise: NoiseScale) -> NoiseScaleEMA:
+    """The averages with one more step's :class:`fxaccum.NoiseScale` taken in."""
+    grad_sq, trace_sigma = noise.grad_sq, noise.trace_sigma
+    finite = jnp.isfinite(grad_sq) & jnp.isfinite(trace_sigma)
+
+    def step(total, value):
+      new = self.decay * total + (1 - self.decay) * jnp.where(finite, value, 0)
+      return jnp.where(finite, new, total).astype(jnp.float32)
+
+    return dataclasses.replace(self, grad_sq_sum=step(self.grad_sq_sum, grad_sq),
+                               trace_sigma_sum=step(self.trace_sigma_sum, trace_sigma),
+                               weight=step(self.weight, 1.0))
+
+  def _average(self, total: ArrayLike) -> jax.Array:
+    weight = jnp.asarray(self.weight)  # bias-corrected: divided by 1 - decay ** steps
+    return jnp.asarray(total) / jnp.where(weight > 0, weight, jnp.nan)
+
+  @property
+  def grad_sq(self) -> jax.Array:
+    """The smoothed ``|𝒢|²`` (NaN before a finite step)."""
+    return self._average(self.grad_sq_sum)
+
+  @property
+  def trace_sigma(self) -> jax.Array:
+    """The smoothed ``tr Σ`` (NaN before a finite step)."""
+    return self._average(self.trace_sigma_sum)
+
+  @property
+  def b_simple(self) -> jax.Array:
+    """``tr Σ / |𝒢|²`` of the smoothed estimates: the critical batch size estimate, in the
+    units of the batch sizes (examples, or the weights, e.g. tokens)."""
+    return self.trace_sigma / self.grad_sq
