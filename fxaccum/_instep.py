@@ -906,9 +906,13 @@ def _analyses(config: _Config, layout: sync.Layout, call: _Call, paired: bool):
 
   if paired:
     (symbol,) = jax.export.symbolic_shape("rows")
+    traced: Any
     try:
-      traced = jax.make_jaxpr(step, return_shape=True)(
-          per_device(leaves), per_device(micro, symbol), per_device(call.state))
+      with _analysis.undecided_equalities() as undecided:
+        traced = jax.make_jaxpr(step, return_shape=True)(
+            per_device(leaves), per_device(micro, symbol), per_device(call.state))
+      if undecided:  # e.g. `if x.shape[0] == 2`: this trace is not the program on 2 rows
+        traced = None
     except Exception:  # noqa: BLE001 - not traceable for any number of rows: pair two
       traced = None
     if traced is not None:

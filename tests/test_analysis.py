@@ -237,3 +237,31 @@ def test_losses_that_depend_on_the_number_of_rows(name, axis_type):
   elif name == "custom_jvp_rule_mixes_rows":
     assert all(p.view == "global" and "gradient mixes examples" in p.reason
                for p in analyzed), paths
+
+
+def test_undecided_equalities_records_the_loss_comparisons_not_jaxs():
+  """A loss's `x.shape[0] == 2` on a symbolic size is recorded (JAX answers it "not
+  equal" silently); JAX's own shape checks (broadcasting, mean, one_hot) are not; JAX's
+  comparison is restored afterwards."""
+  from jax._src.export import shape_poly
+
+  from fxaccum import _analysis
+
+  (rows,) = jax.export.symbolic_shape("rows")
+  x = jax.ShapeDtypeStruct((rows, 4), jnp.float32)
+  original = shape_poly._DimExpr.__eq__
+
+  def internal_only(x):
+    return jnp.mean(jax.nn.one_hot(jnp.argmax(x, -1), 4) * x[:, :1] + x.mean(0))
+
+  def compares(x):
+    return jnp.sum(x) if x.shape[0] == 2 or x.shape[0] != 3 else jnp.mean(x)
+
+  with _analysis.undecided_equalities() as internal:
+    jax.make_jaxpr(jax.grad(internal_only))(x)
+  with _analysis.undecided_equalities() as found:
+    jax.make_jaxpr(compares)(x)
+  assert internal == []
+  assert len(found) == 2 and all("test_analysis.py" in f for f in found), found
+  assert shape_poly._DimExpr.__eq__ is original
+  assert (rows == 2) is False  # JAX's own answer, unchanged

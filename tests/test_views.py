@@ -259,6 +259,39 @@ def test_a_constant_equal_to_the_micro_batch_size_is_not_a_mean():
   assert_tree_close(got, global_micro_batch_reference(total_over_256, w, x, 2))
 
 
+def branch_on_equality(w, x):
+  if x.shape[0] == 2:  # one device's share of a micro-batch below
+    return jnp.sum((x @ w) ** 2)
+  return jnp.mean((x @ w) ** 2)
+
+
+def branch_on_inequality(w, x):
+  scale = 1.0 if x.shape[0] != 2 else float(x.shape[0])
+  return jnp.mean((x @ w) ** 2) * scale
+
+
+def where_on_equality(w, x):
+  return jnp.where(x.shape[0] == 2, 2.0, 1.0) * jnp.mean((x @ w) ** 2)
+
+
+@pytest.mark.parametrize("loss", [branch_on_equality, branch_on_inequality, where_on_equality])
+def test_a_loss_that_compares_the_row_count_is_exact(loss):
+  """JAX answers an undecidable `rows == 2` on a symbolic size "not equal": the symbolic
+  trace took the mean branch, the per-device program (2 rows) the sum. Before the trace
+  watched for such comparisons, the device view came back 2x the reference."""
+  rng = np.random.default_rng(4)
+  x = rng.normal(size=(64, 4)).astype(np.float32)
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  w = jnp.ones(4)
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+    step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=4))  # 2 rows per device
+    got = step(w, sharded)
+    (path,) = diagnostics.paths(step, w, sharded)
+  assert path.view == "global", path
+  assert_tree_close(got, global_micro_batch_reference(loss, w, x, 4))
+
+
 def test_dropout_from_one_shared_key_is_global_and_matches_the_sequential_keys():
   """Random numbers from one key depend on the row's position in the micro-batch: the
   global view draws them like jax.value_and_grad with fold_in(key, i) per micro-batch."""
