@@ -125,3 +125,21 @@ def test_integer_and_boolean_extrema_in_one_device_loop():
   assert imax.dtype == jnp.int32 and int(imax) == -9
   micro = [x[i::3] for i in range(3)]
   np.testing.assert_array_equal(rows_all, np.min([np.all(m < -10, axis=1) for m in micro], 0))
+
+
+def test_inside_the_callers_shard_map():
+  """Per-rank code: fxaccum inside the user's shard_map over `data`; each rank's maximum
+  over its micro-batches, then one pmax over the ranks."""
+  x = data(3)
+  mesh = mesh_of((DEVICES,), ("data",), jax.sharding.AxisType.Auto)
+
+  def loss(w, x):
+    return jnp.mean(x * w), (fxaccum.Max(jnp.max(x)), fxaccum.Min(jnp.min(x, axis=0)))
+
+  grad_fn = fxaccum.grad(loss, has_aux=True, micro_batches=K, data_axes="data")
+  step = jax.jit(jax.shard_map(lambda w, x: grad_fn(w, x)[1], mesh=mesh,
+                               in_specs=(P(), P("data")), out_specs=P()))
+  with jax.set_mesh(mesh):
+    largest, lowest = step(jnp.ones(DIM), jax.device_put(x, NamedSharding(mesh, P("data"))))
+  np.testing.assert_array_equal(largest, np.max(x))
+  np.testing.assert_array_equal(lowest, np.min(x, axis=0))

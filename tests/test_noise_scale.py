@@ -211,3 +211,38 @@ def test_options_that_leave_no_micro_batch_gradient_are_refused(options, match):
 def test_ema_rejects_a_decay_outside_zero_one():
   with pytest.raises(ValueError, match="decay"):
     diagnostics.NoiseScaleEMA(decay=1.0)
+
+
+def test_inside_the_callers_shard_map():
+  """Per-rank code over `data`: each rank's micro-batch gradient is a small batch of its
+  own, as in the per-device view."""
+  batch = regression_data(7)
+  w = jnp.array([0.3, 0.1, -0.2])
+  mesh = mesh_of((DEVICES,), ("data",), AxisType.Auto)
+  value_and_grad = fxaccum.value_and_grad(token_loss, micro_batches=K, data_axes="data",
+                                          noise_scale=True)
+  step = jax.jit(jax.shard_map(lambda w, b: value_and_grad(w, b)[0][1], mesh=mesh,
+                               in_specs=(P(), P("data")), out_specs=P()))
+  with jax.set_mesh(mesh):
+    noise = step(w, jax.device_put(batch, NamedSharding(mesh, P("data"))))
+  expected = reference(token_loss, w, small_batches(batch, "device"), batch)
+  for name, want in expected.items():
+    np.testing.assert_allclose(getattr(noise, name), want, rtol=2e-5, err_msg=name)
+
+
+def test_a_rank_that_is_part_of_a_small_batch_is_refused():
+  """Sequence parallelism: the loss sums its token count over `seq` itself, so a rank's
+  gradient is part of a small batch's; that gradient's norm would mean nothing."""
+  mesh = mesh_of((4, 2), ("data", "seq"), AxisType.Auto)
+
+  def loss(w, b):
+    err = jnp.sum(b["mask"] * (b["x"] @ w - b["y"]) ** 2)
+    return fxaccum.Weighted(jax.lax.psum(err, "seq"), jax.lax.psum(jnp.sum(b["mask"]), "seq"))
+
+  value_and_grad = fxaccum.value_and_grad(loss, micro_batches=2, data_axes=("data", "seq"),
+                                          noise_scale=True)
+  step = jax.jit(jax.shard_map(lambda w, b: value_and_grad(w, b)[1], mesh=mesh,
+                               in_specs=(P(), P("data", "seq")), out_specs=P()))
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="sums its weight over"):
+    four_tokens = jax.tree.map(lambda a: a[:, :4], regression_data(8))
+    step(jnp.zeros(DIM), jax.device_put(four_tokens, NamedSharding(mesh, P("data", "seq"))))
