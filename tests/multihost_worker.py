@@ -68,7 +68,29 @@ def instep(out_dir: str) -> dict[str, np.ndarray]:
     for place in ("loop", "top"):  # gradient reductions over the data axis, by place
       results[f"{name}/data_reductions_{place}"] = np.array(
           len(report.reductions(place, axes="data")))
-  return results
+  return results | planned(params, data)
+
+
+def planned(params, data) -> dict[str, np.ndarray]:
+  """plan_micro_batches from ShapeDtypeStructs (per-device figures of the SPMD program),
+  and the chosen step's noise scale, on the 8-device data mesh."""
+  mesh = jax.make_mesh((8,), ("data",))
+
+  def make_step(k):
+    return jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=k, noise_scale=True))
+
+  with jax.set_mesh(mesh):
+    args = put(params, mesh, {}), put(data, mesh, DATA)
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args)
+    roomy = fxaccum.plan_micro_batches(make_step, *abstract, budget_bytes=1 << 40,
+                                       candidates=[1], progress=False)
+    plan = fxaccum.plan_micro_batches(make_step, *abstract, progress=False,
+                                      budget_bytes=roomy.peak_bytes - 1)
+    (_, noise), _ = plan.step(*args)
+  return {"plan/k": np.array(plan.micro_batches),
+          "plan/peaks": np.array([row.peak_bytes for row in plan.table]),
+          **gathered("plan/noise", noise._asdict())}
 
 
 def sequence_parallel(out_dir: str) -> dict[str, np.ndarray]:

@@ -116,6 +116,8 @@ def test_instep_two_processes_match_one(tmp_path):
     # Across hosts too: no reduction inside the micro-batch loop, one after it.
     assert multi[f"{layout}/data_reductions_loop"] == 0
     assert multi[f"{layout}/data_reductions_top"] == 1
+  # The planner's per-device figures and choice, and the noise scale, as on one host.
+  assert multi["plan/k"] > 1 and multi["plan/peaks"][-1] < multi["plan/peaks"][0]
 
 
 def test_crossstep_two_processes_match_one(tmp_path):
