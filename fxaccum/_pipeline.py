@@ -147,14 +147,22 @@ def pipeline(
   x = jax.tree.map(lambda a: sync.conform(a, x_spec, manual), x)
   x_specs = jax.tree.map(lambda _: x_spec, x)
   param_specs = jax.tree.map(lambda _: param_spec, stage_params)
-  forward = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, x_specs),
-                          out_specs=x_specs, axis_names=set(manual))
+  # Stage params sharded over a free Explicit axis (tensor-parallel stages) keep that
+  # sharding across the region's boundary (no gather of the params or their gradients).
+  region = functools.partial(sync.shard_map_keeping_axes, mesh=mesh, axis_names=set(manual))
+  forward = region(body, in_specs=(param_specs, x_specs), out_specs=x_specs)
   if schedule == "1f1b":
-    backward = jax.shard_map(
-        _one_f_one_b(stage_fn, k, stages, stage_axis, axes), mesh=mesh,
-        in_specs=(param_specs, x_specs, x_specs), out_specs=(param_specs, x_specs),
-        axis_names=set(manual))
-    forward = _differentiated_by(forward, backward)
+    backward = _one_f_one_b(stage_fn, k, stages, stage_axis, axes)
+  elif sync.kept_axes(mesh, set(manual)):
+    # JAX 0.10.2 cannot differentiate through such a region (its scalar residuals are
+    # "closed over" Explicit-typed values): the vjp runs inside a region of its own,
+    # recomputing the forward scan (docs/pipeline.md, "Meshes and axis types").
+    backward = _vjp_of(body)
+  else:
+    backward = None
+  if backward is not None:
+    forward = _differentiated_by(forward, region(
+        backward, in_specs=(param_specs, x_specs, x_specs), out_specs=(param_specs, x_specs)))
   # Typed like x as given (Explicit meshes): x sharded over the stages too gets its output
   # back sharded so, without a collective; x replicated over them, by one all-gather.
   return jax.tree.map(_typed_like, forward(stage_params, x), given)
@@ -176,6 +184,13 @@ def _differentiated_by(forward: Callable, backward: Callable) -> Callable:
   run.defvjp(lambda params, x: (forward(params, x), (params, x)),
              lambda saved, dy: backward(*saved, dy))
   return run
+
+
+def _vjp_of(body: Callable) -> Callable:
+  """``body``'s vjp as a function of ``(params, x, dy)``, the forward recomputed."""
+  def backward(params, x, dy):
+    return jax.vjp(body, params, x)[1](dy)
+  return backward
 
 
 def bubble_fraction(stages: int, micro_batches: int, *, schedule: Schedule = "gpipe",

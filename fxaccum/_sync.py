@@ -477,6 +477,20 @@ def _only(entries: Sequence[Any], keep: Callable[[str], bool]) -> P:
   return P(*out)
 
 
+def _abstract(mesh: Any) -> Any:
+  context = jax.sharding.get_abstract_mesh()
+  return context if context.axis_names else getattr(mesh, "abstract_mesh", mesh)
+
+
+def kept_axes(mesh: Any, axis_names: set[str]) -> tuple[str, ...]:
+  """The ``Explicit`` axes of ``mesh`` (or of the context mesh) outside ``axis_names``:
+  those :func:`shard_map_keeping_axes` keeps across a region manual over ``axis_names``."""
+  abstract = _abstract(mesh)
+  types = dict(zip(abstract.axis_names, abstract.axis_types, strict=True))
+  return tuple(a for a in abstract.axis_names
+               if a not in axis_names and types[a] == AxisType.Explicit)
+
+
 def shard_map_keeping_axes(body: Callable[..., Any], *, mesh: Any, in_specs: Any,
                            out_specs: Any, axis_names: set[str]) -> Callable[..., Any]:
   """``jax.shard_map(body, ...)`` manual over ``axis_names``, whose arguments and results
@@ -491,11 +505,8 @@ def shard_map_keeping_axes(body: Callable[..., Any], *, mesh: Any, in_specs: Any
   again with the arguments' own specs, so ``body`` sees the types it would see without
   this wrapper. Without such axes this is plain ``jax.shard_map``.
   """
-  context = jax.sharding.get_abstract_mesh()
-  abstract = context if context.axis_names else getattr(mesh, "abstract_mesh", mesh)
-  types = dict(zip(abstract.axis_names, abstract.axis_types, strict=True))
-  kept = tuple(a for a in abstract.axis_names
-               if a not in axis_names and types[a] == AxisType.Explicit)
+  abstract = _abstract(mesh)
+  kept = kept_axes(mesh, axis_names)
   if not kept:
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          axis_names=axis_names)
