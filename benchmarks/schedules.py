@@ -102,17 +102,24 @@ def main() -> None:
         f"{jax.device_count()} x {jax.devices()[0].platform}\n")
   print("\n".join(lines))
   print("\n" + memory_table([int(k) for k in args.ks.split(",")], mesh))
+  print("\n" + growth_table([int(k) for k in args.ks.split(",")], mesh))
+
+
+def mlp_stages(rng, width: int) -> dict:
+  """The params of one residual MLP ``width`` wide per stage (``stage_fn``), stage-major."""
+  return {"w1": rng.normal(size=(STAGES, width, 4 * width)).astype(np.float32) / 16,
+          "w2": rng.normal(size=(STAGES, 4 * width, width)).astype(np.float32) / 32}
+
+
+def stage_fn(p, h):
+  return h + jnp.tanh(h @ p["w1"]) @ p["w2"]
 
 
 def memory_table(ks: list[int], mesh, rows: int = 4, width: int = 256, seq: int = 64) -> str:
   """Temp MiB of the vjp with respect to the stage params at ``rows`` rows per
   micro-batch per data device."""
   rng = np.random.default_rng(0)
-  params = {"w1": rng.normal(size=(STAGES, width, 4 * width)).astype(np.float32) / 16,
-            "w2": rng.normal(size=(STAGES, 4 * width, width)).astype(np.float32) / 32}
-
-  def stage_fn(p, h):
-    return h + jnp.tanh(h @ p["w1"]) @ p["w2"]
+  params = mlp_stages(rng, width)
 
   data = mesh.shape["data"]
   lines = md_header(["schedule", *(f"temp MiB k={k}" for k in ks), "k=32 ÷ k=4"], 1)
@@ -132,6 +139,40 @@ def memory_table(ks: list[int], mesh, rows: int = 4, width: int = 256, seq: int 
       temps.append(compiled.memory_analysis().temp_size_in_bytes / 2**20)
     ratio = temps[ks.index(32)] / temps[ks.index(4)] if {4, 32} <= set(ks) else float("nan")
     lines.append(md_row([schedule, *(f"{t:.1f}" for t in temps), f"{ratio:.2f}"]))
+  return "\n".join(lines)
+
+
+def growth_table(ks: list[int], mesh, rows: int = 4, width: int = 256, seq: int = 64) -> str:
+  """Argument + temp bytes per device of the vjp with respect to the stage params and
+  ``x``, ``x`` and the output cotangent passed in typed ``P(("data", "stage"))`` on an
+  ``Explicit`` mesh like ``mesh`` (streamed: 1F1B streams only an ``x`` known to be
+  sharded so), at ``rows`` rows per micro-batch per data device; the growth per extra
+  micro-batch in units of one micro-batch's activations on a data device."""
+  mesh = jax.make_mesh(tuple(mesh.shape.values()), mesh.axis_names,
+                       axis_types=(AxisType.Explicit,) * len(mesh.axis_names))
+  rng = np.random.default_rng(0)
+  params = mlp_stages(rng, width)
+
+  data = mesh.shape["data"]
+  activation = rows * seq * width * 4  # one micro-batch's activations per data device
+  lines = md_header(["schedule", *(f"MiB k={k}" for k in ks),
+                     f"growth per micro-batch, k={ks[0]}..{ks[-1]}"], 1)
+  for schedule in ("gpipe", "1f1b"):
+    totals = []
+    for k in ks:
+      x = rng.normal(size=(data * k * rows, seq, width)).astype(np.float32)
+
+      def vjp(p, x, dy, k=k, schedule=schedule):
+        return jax.vjp(lambda p, x: fxaccum.pipeline(stage_fn, p, x, micro_batches=k,
+                                                     schedule=schedule), p, x)[1](dy)
+
+      with jax.set_mesh(mesh):
+        args = (jax.device_put(params, NamedSharding(mesh, P("stage"))),
+                *jax.device_put((x, x), NamedSharding(mesh, P(("data", "stage")))))
+        memory = jax.jit(vjp).lower(*args).compile().memory_analysis()
+      totals.append(memory.argument_size_in_bytes + memory.temp_size_in_bytes)
+    growth = (totals[-1] - totals[0]) / (ks[-1] - ks[0]) / activation
+    lines.append(md_row([schedule, *(f"{t / 2**20:.1f}" for t in totals), f"{growth:.2f}"]))
   return "\n".join(lines)
 
 

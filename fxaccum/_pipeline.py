@@ -131,8 +131,11 @@ def pipeline(
     devices *= mesh.shape[axis]
   split.leading_size(x, k, devices)
   # GPipe streams x in and the outputs out over the stages (each holds 1/S of them) where
-  # every stage can hold whole micro-batches: k a multiple of S.
-  streamed = schedule == "gpipe" and stages > 1 and k % stages == 0
+  # every stage can hold whole micro-batches: k a multiple of S. 1F1B, whose backward
+  # reads x in place, streams only an x known to be sharded over the stages: x replicated
+  # over them would be copied, each stage's share, k-sized.
+  streamed = stages > 1 and k % stages == 0 and (
+      schedule == "gpipe" or (schedule == "1f1b" and _over_stages(x, stage_axis)))
   if streamed:
     body = _streamed(stage_fn, remat, k, stages, stage_axis, axes)
   else:
@@ -152,7 +155,7 @@ def pipeline(
   region = functools.partial(sync.shard_map_keeping_axes, mesh=mesh, axis_names=set(manual))
   forward = region(body, in_specs=(param_specs, x_specs), out_specs=x_specs)
   if schedule == "1f1b":
-    backward = _one_f_one_b(stage_fn, k, stages, stage_axis, axes)
+    backward = _one_f_one_b(stage_fn, k, stages, stage_axis, axes, streamed)
   elif sync.kept_axes(mesh, set(manual)):
     # JAX 0.10.2 cannot differentiate through such a region (its scalar residuals are
     # "closed over" Explicit-typed values): the vjp runs inside a region of its own,
@@ -166,6 +169,13 @@ def pipeline(
   # Typed like x as given (Explicit meshes): x sharded over the stages too gets its output
   # back sharded so, without a collective; x replicated over them, by one all-gather.
   return jax.tree.map(_typed_like, forward(stage_params, x), given)
+
+
+def _over_stages(x: Any, stage_axis: str) -> bool:
+  """Whether every leaf of ``x`` is known (typed, or concrete) to have its batch sharded
+  over ``stage_axis``."""
+  return all(stage_axis in sync.spec_axes(sync.known_spec(leaf)[0])
+             for leaf in jax.tree.leaves(x))
 
 
 def _typed_like(a: jax.Array, like: jax.Array) -> jax.Array:
@@ -353,7 +363,7 @@ def _streamed(stage_fn: Callable, remat: bool, k: int, stages: int, stage_axis: 
 
 
 def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
-                 axes: tuple[str, ...]) -> Callable:
+                 axes: tuple[str, ...], streamed: bool) -> Callable:
   """The per-device backward pass of the 1F1B schedule: one wavefront scan of
   ``k + 2S - 2`` iterations.
 
@@ -363,54 +373,95 @@ def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
   device runs both on the same micro-batch, with its output cotangent. Activations go right
   and cotangents left, one permute each per iteration. Returns the stage gradients, summed
   over the data axes once, after the scan, and ``x``'s gradient.
+
+  ``streamed``: ``x``, the output cotangent and ``x``'s gradient are sharded over the
+  stages as in :func:`_streamed` (stage ``s`` holds micro-batches ``i * S + s``): inputs
+  travel left to stage 0, cotangents right to the last stage, ``x``'s gradients right from
+  stage 0 to the stage holding their rows (``S - 1`` more iterations for the last ones).
   """
   last = stages - 1
   slots = 2 * stages - 1
   right = [(s, s + 1) for s in range(last)]
   left = [(s + 1, s) for s in range(last)]
+  rows = _MicroBatchRows(k // stages if streamed else k)  # read and written in place
+
+  def held(tree, transit, m, stage, edge):
+    """Micro-batch ``m``'s rows where this stage holds them (and at ``edge``, which
+    receives nothing), else what is in transit."""
+    mine = (m % stages == stage) & (m >= 0) & (m < k) | edge
+    slot = jnp.clip(m // stages, 0, rows.k - 1)
+    return jax.tree.map(lambda a, r: jnp.where(mine, rows.get(a, slot), r), tree, transit)
 
   def body(params, x, dy):
     # Varying over the data axes: each vjp returns this device's partial gradient.
     params = sync.vary(jax.tree.map(lambda leaf: leaf[0], params), axes)
     x, dy = sync.vary((x, dy), (stage_axis,))
     stage = lax.axis_index(stage_axis)
-    rows = _MicroBatchRows(k)  # micro-batch m: rows m::k, read and written in place
     first = jax.tree.map(lambda a: rows.get(a, 0), x)
     stash = jax.tree.map(lambda a: jnp.broadcast_to(a, (slots, *a.shape)), first)
     grads = jax.tree.map(jnp.zeros_like, params)
     dx = jax.tree.map(jnp.zeros_like, x)
+    cotangent_first = jax.tree.map(lambda a: rows.get(a, 0), dy)
 
-    def iteration(carry, t):
-      received, returned, stash, grads, dx = carry
-      f = t - stage
-      mf = jnp.clip(f, 0, k - 1)
-      h = jax.tree.map(lambda a, r: jnp.where(stage == 0, rows.get(a, mf), r), x, received)
-      slot = mf % slots
-      keep = (f >= 0) & (f < k)
-      stash = jax.tree.map(lambda w, v: _put(w, slot, v, keep), stash, h)
-      y = _like(stage_fn(params, h), h)
-      b = t - (2 * stages - 2 - stage)
-      mb = jnp.clip(b, 0, k - 1)
-      done = (b >= 0) & (b < k)
-      saved = jax.tree.map(lambda w: _index(w, mb % slots), stash)
-      cotangent = jax.tree.map(lambda g, r: jnp.where(stage == last, rows.get(g, mb), r),
-                               dy, returned)
-      _, vjp = jax.vjp(stage_fn, params, saved)
-      d_params, d_h = vjp(_like(cotangent, saved))
-      grads = jax.tree.map(lambda g, d: g + jnp.where(done, d, jnp.zeros_like(d)), grads,
-                           d_params)
-      dx = jax.tree.map(lambda o, d: rows.put(o, mb, d, done & (stage == 0)), dx, d_h)
-      return (lax.ppermute(y, stage_axis, right), lax.ppermute(d_h, stage_axis, left),
-              stash, grads, dx), None
+    def iteration(carry, t, compute=True):
+      received, returned, arriving, owed, leaving, stash, grads, dx = carry
+      if compute:
+        f = t - stage
+        mf = jnp.clip(f, 0, k - 1)
+        if streamed:
+          arriving = held(x, arriving, t + stage, stage, stage == last)
+          fresh = arriving
+        else:
+          fresh = jax.tree.map(lambda a: rows.get(a, mf), x)
+        h = jax.tree.map(lambda a, r: jnp.where(stage == 0, a, r), fresh, received)
+        stash = jax.tree.map(lambda w, v: _put(w, mf % slots, v, (f >= 0) & (f < k)),
+                             stash, h)
+        y = _like(stage_fn(params, h), h)
+        b = t - (2 * stages - 2 - stage)
+        mb = jnp.clip(b, 0, k - 1)
+        done = (b >= 0) & (b < k)
+        saved = jax.tree.map(lambda w: _index(w, mb % slots), stash)
+        if streamed:
+          owed = held(dy, owed, t - stage, stage, stage == 0)
+          given = owed
+        else:
+          given = jax.tree.map(lambda g: rows.get(g, mb), dy)
+        cotangent = jax.tree.map(lambda g, r: jnp.where(stage == last, g, r), given,
+                                 returned)
+        _, vjp = jax.vjp(stage_fn, params, saved)
+        d_params, d_h = vjp(_like(cotangent, saved))
+        grads = jax.tree.map(lambda g, d: g + jnp.where(done, d, jnp.zeros_like(d)), grads,
+                             d_params)
+        received = lax.ppermute(y, stage_axis, right)
+        returned = lax.ppermute(d_h, stage_axis, left)
+        if streamed:
+          arriving = lax.ppermute(arriving, stage_axis, left)
+          owed = lax.ppermute(owed, stage_axis, right)
+          leaving = jax.tree.map(lambda d, r: jnp.where(stage == 0, d, r), d_h, leaving)
+        else:
+          dx = jax.tree.map(lambda o, d: rows.put(o, mb, d, done & (stage == 0)), dx, d_h)
+      if streamed:  # x's gradient of micro-batch m, on its way home
+        m = t - (2 * stages - 2) - stage
+        home = (m % stages == stage) & (m >= 0) & (m < k)
+        slot = jnp.clip(m // stages, 0, rows.k - 1)
+        dx = jax.tree.map(lambda o, d: rows.put(o, slot, d, home), dx, leaving)
+        leaving = lax.ppermute(leaving, stage_axis, right)
+      return (received, returned, arriving, owed, leaving, stash, grads, dx), None
 
-    carry = (first, first, stash, grads, dx)
-    (_, _, _, grads, dx), _ = lax.scan(iteration, carry, jnp.arange(k + 2 * stages - 2))
+    transit = (first, cotangent_first, first) if streamed else ((), (), ())
+    carry = (first, first, *transit, stash, grads, dx)
+    carry, _ = lax.scan(iteration, carry, jnp.arange(k + 2 * stages - 2))
+    if streamed:
+      drain = functools.partial(iteration, compute=False)
+      carry, _ = lax.scan(drain, carry, jnp.arange(k + 2 * stages - 2, k + 3 * stages - 3))
+    grads, dx = carry[-2:]
     # The data-axis reduction of in-step mode's per-device view: one per bucket.
     leaves, tree = jax.tree.flatten(grads)
     leaves = reduce_lib.reduce_leaves(leaves, [((), axes)] * len(leaves),
                                       reduce_lib.BUCKET_BYTES)
     grads = jax.tree.unflatten(tree, [leaf[None] for leaf in leaves])
-    return grads, lax.psum(dx, stage_axis)  # only stage 0 holds x's gradient
+    # Streamed, each stage holds its share of x's gradient; else only stage 0 holds it.
+    return grads, dx if streamed else lax.psum(dx, stage_axis)
 
   return body
 
