@@ -1291,11 +1291,12 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
                                      strict=True)])
   skipped = acc.summed(jax.ShapeDtypeStruct((), jnp.int32), axes)  # skip_nonfinite's count
   noise = acc.summed(jax.ShapeDtypeStruct((len(_NOISE_TERMS),), jnp.float32), axes)
-  sums = acc.combined([grads, total, weight, aux, skipped, noise])
+  sums = acc.combined([grads, total, weight, aux, skipped, *[noise] * config.noise_scale])
   if config.noise_scale:
     _check_noise_scale(weight_axes, axes)
-  micro_rows = jax.tree.leaves(batch)[0].shape[0] // k
-  weighted = call.weighted[-1]
+    # The examples a unit of loss weight stands for: a mean loss weighs 1 and stands for
+    # the micro-batch's rows, a Weighted one counts its own items.
+    rows_per_weight = 1 if call.weighted[-1] else jax.tree.leaves(batch)[0].shape[0] // k
 
   def body(carry, index):
     sums_carry, old_state = carry
@@ -1307,14 +1308,13 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
       grad_values = reduce_lib.reduce_leaves(
           grad_values, [(dims, ()) for dims in gather_dims], config.bucket_bytes)
     values = [grad_values, loss_total, loss_weight,
-              jax.tree.leaves(aux_values, is_leaf=_is_marker), jnp.zeros((), jnp.int32),
-              jnp.zeros(len(_NOISE_TERMS), jnp.float32)]
+              jax.tree.leaves(aux_values, is_leaf=_is_marker), jnp.zeros((), jnp.int32)]
     if config.skip_nonfinite:  # a non-finite micro-batch contributes nothing
       good = all_finite((loss_total, grad_values))
       values, state = _drop_unless(good, values, state, old_state)
       loss_weight = values[2]
-    if config.noise_scale:
-      values[5] = _noise_terms(sq_norm, loss_weight, 1 if weighted else micro_rows)
+    if config.noise_scale:  # after the skip: a skipped micro-batch weighs 0
+      values.append(_noise_terms(sq_norm, loss_weight, rows_per_weight))
     threaded = iter(state[1])  # a State aux is the threaded value the loop carries on
     values[3] = [State(next(threaded)) if isinstance(m, State) else m for m in values[3]]
     carry = (sums.update(sums_carry, values, index, loss_weight), state)
@@ -1326,7 +1326,7 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
     sown = jax.tree.map(lambda x: x[None], sown)
   else:
     (sums_carry, state), sown = lax.scan(body, init, jnp.arange(k))
-  grad_sums, total_sum, weight_sum, aux_sums, skipped_sum, noise_sum = sums_carry
+  grad_sums, total_sum, weight_sum, aux_sums, skipped_sum, *noise_sums = sums_carry
 
   with jax.named_scope("fxaccum_reduce"):
     shared = [a for a in axes if a not in weight_axes]
@@ -1345,7 +1345,7 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
     grad_values = grads.finalize(grad_sums, norm)
     value_aux: tuple[Any, ...] = (value, aux_values)
     if config.noise_scale:  # the small batches' terms, summed over them
-      value_aux += (noise.finalize(noise_sum, None),)
+      value_aux += (noise.finalize(noise_sums[0], None),)
   return value_aux, grad_values, local_weight, (state, sown)
 
 
@@ -1355,13 +1355,12 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
 _NOISE_TERMS = ("|g_i / w_i|^2", "count", "1 / b_i", "b_i")
 
 
-def _noise_terms(sq_norm: jax.Array, weight: jax.Array, rows: int) -> jax.Array:
-  """One small batch's :data:`_NOISE_TERMS`; ``rows``: the examples a unit of weight stands
-  for (a mean loss weighs 1 and stands for the micro-batch's rows, a Weighted one 1)."""
+def _noise_terms(sq_norm: jax.Array, weight: jax.Array, rows_per_weight: int) -> jax.Array:
+  """One small batch's :data:`_NOISE_TERMS`, its size its weight times ``rows_per_weight``."""
   w = weight.astype(jnp.float32)
   taken = w != 0  # skipped and all-padding micro-batches are left out
   safe = jnp.where(taken, w, 1)
-  size = safe * rows
+  size = safe * rows_per_weight
   return jnp.where(taken, jnp.stack([sq_norm / safe**2, 1.0, 1 / size, size]), 0.0)
 
 
@@ -1404,10 +1403,10 @@ def _retyped(carry: Any, *, like: Any, axes: tuple[str, ...]) -> Any:
 
 def _drop_unless(good: jax.Array, values: list[Any], state: Any,
                  old_state: Any) -> tuple[list[Any], Any]:
-  """A micro-batch's ``[grads, total, weight, aux, skipped, noise]`` and module state, or nothing
+  """A micro-batch's ``[grads, total, weight, aux, skipped]`` and module state, or nothing
   from it unless ``good``: zeros (Concat rows are kept, in place), a skip counted, and the
   state it started from."""
-  grads, total, weight, aux, _, noise = values
+  grads, total, weight, aux, _ = values
 
   def zero(x):
     return jnp.where(good, x, jnp.zeros_like(x))
@@ -1427,7 +1426,7 @@ def _drop_unless(good: jax.Array, values: list[Any], state: Any,
 
   aux = [dropped(a) for a in aux]
   values = [[zero(g) for g in grads], zero(total), zero(weight), aux,
-            (~good).astype(jnp.int32), noise]
+            (~good).astype(jnp.int32)]
   return values, jax.tree.map(keep_old, state, old_state)
 
 

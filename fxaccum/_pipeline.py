@@ -321,7 +321,7 @@ def _streamed(stage_fn: Callable, remat: bool, k: int, stages: int, stage_axis: 
   backward, and no stage holds more than its share of ``x`` and of the outputs.
   """
   last = stages - 1
-  own = k // stages
+  shares = _Shares(k, stages)
   right = [(s, s + 1) for s in range(last)]
   left = [(s + 1, s) for s in range(last)]
   run = jax.checkpoint(stage_fn) if remat else stage_fn
@@ -329,28 +329,22 @@ def _streamed(stage_fn: Callable, remat: bool, k: int, stages: int, stage_axis: 
   def body(params, x):
     params = sync.vary(jax.tree.map(lambda leaf: leaf[0], params), axes)
     stage = lax.axis_index(stage_axis)
-    rows = _MicroBatchRows(own)
     # Real activations in every slot, never zeros (see _scheduled).
-    first = jax.tree.map(lambda a: rows.get(a, 0), x)
+    first = shares.first(x)
 
     def iteration(carry, t, compute=True):
       received, arriving, leaving, outputs = carry
       if compute:
-        m = t + stage  # the input this stage holds in transit in iteration t
-        mine = (m % stages == stage) & (m < k)
-        # (The last stage receives nothing from its right: it keeps real activations.)
-        arriving = jax.tree.map(lambda a, r: jnp.where(
-            mine | (stage == last), rows.get(a, jnp.clip(m // stages, 0, own - 1)), r),
-            x, arriving)
+        # The input this stage holds in transit in iteration t is micro-batch t + s. (The
+        # last stage receives nothing from its right: it keeps real activations.)
+        arriving = shares.take(x, arriving, t + stage, stage, edge=stage == last)
         h = jax.tree.map(lambda a, r: jnp.where(stage == 0, a, r), arriving, received)
         y = _like(run(params, h), h)
         leaving = jax.tree.map(lambda new, r: jnp.where(stage == last, new, r), y, leaving)
         received = lax.ppermute(y, stage_axis, right)
         arriving = lax.ppermute(arriving, stage_axis, left)
-      m = t - 2 * last + stage  # the output this stage holds in transit in iteration t
-      home = (m >= 0) & (m < k) & (m % stages == stage)
-      slot = jnp.clip(m // stages, 0, own - 1)
-      outputs = jax.tree.map(lambda o, v: rows.put(o, slot, v, home), outputs, leaving)
+      # The output this stage holds in transit in iteration t: micro-batch t - 2(S-1) + s.
+      outputs = shares.home(outputs, leaving, t - 2 * last + stage, stage)
       return (received, arriving, lax.ppermute(leaving, stage_axis, left), outputs), None
 
     carry = (first, first, first, jax.tree.map(jnp.zeros_like, x))
@@ -383,25 +377,18 @@ def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
   slots = 2 * stages - 1
   right = [(s, s + 1) for s in range(last)]
   left = [(s + 1, s) for s in range(last)]
-  rows = _MicroBatchRows(k // stages if streamed else k)  # read and written in place
-
-  def held(tree, transit, m, stage, edge):
-    """Micro-batch ``m``'s rows where this stage holds them (and at ``edge``, which
-    receives nothing), else what is in transit."""
-    mine = (m % stages == stage) & (m >= 0) & (m < k) | edge
-    slot = jnp.clip(m // stages, 0, rows.k - 1)
-    return jax.tree.map(lambda a, r: jnp.where(mine, rows.get(a, slot), r), tree, transit)
+  rows = _MicroBatchRows(k)  # micro-batch m: rows m::k, read and written in place
+  shares = _Shares(k, stages)  # streamed: each stage's share of them
 
   def body(params, x, dy):
     # Varying over the data axes: each vjp returns this device's partial gradient.
     params = sync.vary(jax.tree.map(lambda leaf: leaf[0], params), axes)
     x, dy = sync.vary((x, dy), (stage_axis,))
     stage = lax.axis_index(stage_axis)
-    first = jax.tree.map(lambda a: rows.get(a, 0), x)
+    first = shares.first(x) if streamed else jax.tree.map(lambda a: rows.get(a, 0), x)
     stash = jax.tree.map(lambda a: jnp.broadcast_to(a, (slots, *a.shape)), first)
     grads = jax.tree.map(jnp.zeros_like, params)
     dx = jax.tree.map(jnp.zeros_like, x)
-    cotangent_first = jax.tree.map(lambda a: rows.get(a, 0), dy)
 
     def iteration(carry, t, compute=True):
       received, returned, arriving, owed, leaving, stash, grads, dx = carry
@@ -409,7 +396,7 @@ def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
         f = t - stage
         mf = jnp.clip(f, 0, k - 1)
         if streamed:
-          arriving = held(x, arriving, t + stage, stage, stage == last)
+          arriving = shares.take(x, arriving, t + stage, stage, edge=stage == last)
           fresh = arriving
         else:
           fresh = jax.tree.map(lambda a: rows.get(a, mf), x)
@@ -422,7 +409,7 @@ def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
         done = (b >= 0) & (b < k)
         saved = jax.tree.map(lambda w: _index(w, mb % slots), stash)
         if streamed:
-          owed = held(dy, owed, t - stage, stage, stage == 0)
+          owed = shares.take(dy, owed, t - stage, stage, edge=stage == 0)
           given = owed
         else:
           given = jax.tree.map(lambda g: rows.get(g, mb), dy)
@@ -440,15 +427,12 @@ def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
           leaving = jax.tree.map(lambda d, r: jnp.where(stage == 0, d, r), d_h, leaving)
         else:
           dx = jax.tree.map(lambda o, d: rows.put(o, mb, d, done & (stage == 0)), dx, d_h)
-      if streamed:  # x's gradient of micro-batch m, on its way home
-        m = t - (2 * stages - 2) - stage
-        home = (m % stages == stage) & (m >= 0) & (m < k)
-        slot = jnp.clip(m // stages, 0, rows.k - 1)
-        dx = jax.tree.map(lambda o, d: rows.put(o, slot, d, home), dx, leaving)
+      if streamed:  # x's gradient of micro-batch t - 2(S-1) - s, on its way home
+        dx = shares.home(dx, leaving, t - (2 * stages - 2) - stage, stage)
         leaving = lax.ppermute(leaving, stage_axis, right)
       return (received, returned, arriving, owed, leaving, stash, grads, dx), None
 
-    transit = (first, cotangent_first, first) if streamed else ((), (), ())
+    transit = (first, shares.first(dy), first) if streamed else ((), (), ())
     carry = (first, first, *transit, stash, grads, dx)
     carry, _ = lax.scan(iteration, carry, jnp.arange(k + 2 * stages - 2))
     if streamed:
@@ -464,6 +448,35 @@ def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
     return grads, dx if streamed else lax.psum(dx, stage_axis)
 
   return body
+
+
+class _Shares:
+  """A batch streamed over the stages: stage ``s`` holds micro-batches ``m = i * S + s``,
+  rows ``i::k/S`` of its own rows."""
+
+  def __init__(self, k: int, stages: int):
+    self.k, self.stages = k, stages
+    self.rows = _MicroBatchRows(max(k // stages, 1))
+
+  def first(self, tree: Any) -> Any:
+    """This stage's first micro-batch (real values for idle iterations)."""
+    return jax.tree.map(lambda a: self.rows.get(a, 0), tree)
+
+  def take(self, tree: Any, transit: Any, m: Any, stage: Any, edge: Any = False) -> Any:
+    """Micro-batch ``m`` of ``tree`` where this stage holds it (or at ``edge``, a stage
+    that receives nothing), else ``transit``."""
+    mine, slot = self._held(m, stage)
+    return jax.tree.map(lambda a, r: jnp.where(mine | edge, self.rows.get(a, slot), r), tree,
+                        transit)
+
+  def home(self, tree: Any, value: Any, m: Any, stage: Any) -> Any:
+    """``tree`` with micro-batch ``m`` set to ``value`` where this stage holds it."""
+    mine, slot = self._held(m, stage)
+    return jax.tree.map(lambda o, v: self.rows.put(o, slot, v, mine), tree, value)
+
+  def _held(self, m: Any, stage: Any) -> tuple[Any, Any]:
+    mine = (m % self.stages == stage) & (m >= 0) & (m < self.k)
+    return mine, jnp.clip(m // self.stages, 0, self.rows.k - 1)
 
 
 class _MicroBatchRows:
