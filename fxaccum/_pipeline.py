@@ -152,9 +152,17 @@ def pipeline(
   param_specs = jax.tree.map(lambda _: param_spec, stage_params)
   # Stage params sharded over a free Explicit axis (tensor-parallel stages) keep that
   # sharding across the region's boundary (no gather of the params or their gradients).
-  region = functools.partial(sync.shard_map_keeping_axes, mesh=mesh, axis_names=set(manual))
-  forward = region(body, in_specs=(param_specs, x_specs), out_specs=x_specs)
-  if schedule == "1f1b":
+  region = functools.partial(sync.shard_map_keeping_axes, mesh=mesh, axis_names=set(manual),
+                             in_specs=(param_specs, x_specs))
+  forward = region(body, out_specs=x_specs)
+  kept_specs, keeping = x_specs, None  # what the backward pass gets besides the params
+  if schedule == "gpipe" and streamed and remat:
+    # The stash (each iteration's stage input, as remat keeps) is the only residual.
+    kept_specs = jax.tree.map(lambda _: P(None, (*axes, stage_axis)), x)
+    keeping = region(_streamed(stage_fn, remat, k, stages, stage_axis, axes, keep_inputs=True),
+                     out_specs=(x_specs, kept_specs))
+    backward = _gpipe_backward(stage_fn, k, stages, stage_axis, axes)
+  elif schedule == "1f1b":
     backward = _one_f_one_b(stage_fn, k, stages, stage_axis, axes, streamed)
   elif sync.kept_axes(mesh, set(manual)):
     # JAX 0.10.2 cannot differentiate through such a region (its scalar residuals are
@@ -165,7 +173,8 @@ def pipeline(
     backward = None
   if backward is not None:
     forward = _differentiated_by(forward, region(
-        backward, in_specs=(param_specs, x_specs, x_specs), out_specs=(param_specs, x_specs)))
+        backward, in_specs=(param_specs, kept_specs, x_specs),
+        out_specs=(param_specs, x_specs)), keeping)
   # Typed like x as given (Explicit meshes): x sharded over the stages too gets its output
   # back sharded so, without a collective; x replicated over them, by one all-gather.
   return jax.tree.map(_typed_like, forward(stage_params, x), given)
@@ -187,12 +196,18 @@ def _typed_like(a: jax.Array, like: jax.Array) -> jax.Array:
   return jax.sharding.reshard(a, want.spec)
 
 
-def _differentiated_by(forward: Callable, backward: Callable) -> Callable:
-  """``forward(params, x)`` whose vjp is ``backward(params, x, dy)``: the forward pass
-  keeps no activations, the backward recomputes what it needs."""
+def _differentiated_by(forward: Callable, backward: Callable,
+                       keeping: Callable | None = None) -> Callable:
+  """``forward(params, x)`` whose vjp is ``backward(params, kept, dy)``: ``keeping(params,
+  x)`` returns the output and what the backward needs (``kept``); without it the forward
+  pass keeps ``x`` alone and the backward recomputes what it needs."""
   run = jax.custom_vjp(forward)
-  run.defvjp(lambda params, x: (forward(params, x), (params, x)),
-             lambda saved, dy: backward(*saved, dy))
+
+  def forward_keeping(params, x):
+    y, kept = keeping(params, x) if keeping is not None else (forward(params, x), x)
+    return y, (params, kept)
+
+  run.defvjp(forward_keeping, lambda saved, dy: backward(*saved, dy))
   return run
 
 
@@ -309,7 +324,7 @@ def _scheduled(stage_fn: Callable, remat: bool, k: int, stages: int, repeats: in
 
 
 def _streamed(stage_fn: Callable, remat: bool, k: int, stages: int, stage_axis: str,
-              axes: tuple[str, ...]) -> Callable:
+              axes: tuple[str, ...], keep_inputs: bool = False) -> Callable:
   """GPipe's per-device body with ``x`` and the outputs sharded over the stages.
 
   Stage ``s`` holds micro-batches ``m = i * S + s`` of its data device's rows (its own
@@ -319,6 +334,9 @@ def _streamed(stage_fn: Callable, remat: bool, k: int, stages: int, stage_axis: 
   their rows. One scan of ``k + S - 1`` iterations, then ``S - 1`` that only move the
   last outputs home. Nothing activation-sized is summed over the stages, forward or
   backward, and no stage holds more than its share of ``x`` and of the outputs.
+
+  ``keep_inputs``: the body returns ``(outputs, stash)``, the stash each iteration's stage
+  input (``k + S - 1`` of them) for :func:`_gpipe_backward`.
   """
   last = stages - 1
   shares = _Shares(k, stages)
@@ -345,15 +363,72 @@ def _streamed(stage_fn: Callable, remat: bool, k: int, stages: int, stage_axis: 
         arriving = lax.ppermute(arriving, stage_axis, left)
       # The output this stage holds in transit in iteration t: micro-batch t - 2(S-1) + s.
       outputs = shares.home(outputs, leaving, t - 2 * last + stage, stage)
-      return (received, arriving, lax.ppermute(leaving, stage_axis, left), outputs), None
+      carry = (received, arriving, lax.ppermute(leaving, stage_axis, left), outputs)
+      return carry, (h if compute and keep_inputs else None)
 
     carry = (first, first, first, jax.tree.map(jnp.zeros_like, x))
-    carry, _ = lax.scan(iteration, carry, jnp.arange(k + last))
+    carry, stash = lax.scan(iteration, carry, jnp.arange(k + last))
     drain = functools.partial(iteration, compute=False)
     (_, _, _, outputs), _ = lax.scan(drain, carry, jnp.arange(k + last, k + 2 * last))
-    return outputs
+    return (outputs, stash) if keep_inputs else outputs
 
   return body
+
+
+def _gpipe_backward(stage_fn: Callable, k: int, stages: int, stage_axis: str,
+                    axes: tuple[str, ...]) -> Callable:
+  """Streamed GPipe's backward pass from the forward's stash: one reverse scan over its
+  ``k + S - 1`` iterations.
+
+  Step ``u`` undoes forward iteration ``t = k + S - 2 - u``: device ``s`` runs the vjp of
+  the stage on its input then (micro-batch ``t - s``, recomputed from the stash) with the
+  cotangent its right neighbour returned in step ``u - 1`` (the last device: the output
+  cotangent's share of that micro-batch). As in 1F1B's streamed backward, output
+  cotangents travel right to the last stage and ``x``'s gradients right from stage 0 to
+  the stage holding their rows; both are read and written in place, so the backward keeps
+  no copy of them (JAX's transpose of the forward scan kept two).
+  """
+  last = stages - 1
+  steps = k + last
+  shares = _Shares(k, stages)
+  right = [(s, s + 1) for s in range(last)]
+  left = [(s + 1, s) for s in range(last)]
+
+  def body(params, stash, dy):
+    params = sync.vary(jax.tree.map(lambda leaf: leaf[0], params), axes)
+    stage = lax.axis_index(stage_axis)
+
+    def iteration(carry, u):
+      returned, owed, leaving, grads, dx = carry
+      t = steps - 1 - u
+      done = (t - stage >= 0) & (t - stage < k)
+      owed = shares.take(dy, owed, k - stages - u + stage, stage, edge=stage == 0)
+      cotangent = jax.tree.map(lambda g, r: jnp.where(stage == last, g, r), owed, returned)
+      saved = jax.tree.map(lambda w: _index(w, t), stash)
+      _, vjp = jax.vjp(stage_fn, params, saved)
+      d_params, d_h = vjp(_like(cotangent, saved))
+      grads = jax.tree.map(lambda g, d: g + jnp.where(done, d, jnp.zeros_like(d)), grads,
+                           d_params)
+      leaving = jax.tree.map(lambda d, r: jnp.where(stage == 0, d, r), d_h, leaving)
+      dx = shares.home(dx, leaving, t + stage, stage)  # micro-batch t - 0 + s, on its way
+      return (lax.ppermute(d_h, stage_axis, left), lax.ppermute(owed, stage_axis, right),
+              lax.ppermute(leaving, stage_axis, right), grads, dx), None
+
+    first = shares.first(dy)
+    carry = (first, first, first, jax.tree.map(jnp.zeros_like, params),
+             jax.tree.map(jnp.zeros_like, dy))
+    (_, _, _, grads, dx), _ = lax.scan(iteration, carry, jnp.arange(steps))
+    return _reduced_over(grads, axes), dx
+
+  return body
+
+
+def _reduced_over(grads: Any, axes: tuple[str, ...]) -> Any:
+  """Local stage gradients reduced over the data axes, as in-step mode's per-device view
+  reduces (one collective per bucket), with the stage dimension back."""
+  leaves, tree = jax.tree.flatten(grads)
+  leaves = reduce_lib.reduce_leaves(leaves, [((), axes)] * len(leaves), reduce_lib.BUCKET_BYTES)
+  return jax.tree.unflatten(tree, [leaf[None] for leaf in leaves])
 
 
 def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
@@ -439,11 +514,7 @@ def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
       drain = functools.partial(iteration, compute=False)
       carry, _ = lax.scan(drain, carry, jnp.arange(k + 2 * stages - 2, k + 3 * stages - 3))
     grads, dx = carry[-2:]
-    # The data-axis reduction of in-step mode's per-device view: one per bucket.
-    leaves, tree = jax.tree.flatten(grads)
-    leaves = reduce_lib.reduce_leaves(leaves, [((), axes)] * len(leaves),
-                                      reduce_lib.BUCKET_BYTES)
-    grads = jax.tree.unflatten(tree, [leaf[None] for leaf in leaves])
+    grads = _reduced_over(grads, axes)
     # Streamed, each stage holds its share of x's gradient; else only stage 0 holds it.
     return grads, dx if streamed else lax.psum(dx, stage_axis)
 
