@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 
 from fxaccum import _split as split
-from fxaccum.diagnostics import memory_of
+from fxaccum.diagnostics import _memory_of
 
 __all__ = ["BUDGET_MARGIN", "Plan", "PlanRow", "plan_micro_batches"]
 
@@ -254,7 +254,7 @@ def _compile(make_step: Callable[[int], Any], k: int, example_args: Sequence[Any
                  f"(micro_batches={k}) for the example arguments.")
     raise
   seconds = time.perf_counter() - start
-  memory = memory_of(compiled)
+  memory = _memory_of(compiled)
   if memory is None:
     raise ValueError(
         f"plan_micro_batches: the {jax.default_backend()} backend gives no "

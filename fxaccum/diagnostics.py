@@ -274,11 +274,11 @@ def from_compiled(compiled: Any, mesh: Any = None) -> Report:
     ((), 32)
   """
   text = compiled.as_text()
-  return Report(tuple(parse_hlo(text, mesh)), memory_of(compiled),
+  return Report(tuple(parse_hlo(text, mesh)), _memory_of(compiled),
                 tuple(_view.recorded(text)))
 
 
-def memory_of(compiled: Any) -> Memory | None:
+def _memory_of(compiled: Any) -> Memory | None:
   """The compiled program's memory figures per device (None where the backend has none)."""
   analysis = compiled.memory_analysis()
   if analysis is None:
