@@ -31,7 +31,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fxaccum import _accumulators as acc
-from fxaccum import _analysis, _nnx, _view
+from fxaccum import _analysis, _nnx, _symbolic, _view
 from fxaccum import _gather as gather_lib
 from fxaccum import _reduce as reduce_lib
 from fxaccum import _split as split
@@ -908,7 +908,7 @@ def _analyses(config: _Config, layout: sync.Layout, call: _Call, paired: bool):
     (symbol,) = jax.export.symbolic_shape("rows")
     traced: Any
     try:
-      with _analysis.undecided_equalities() as undecided:
+      with _symbolic.undecided_equalities() as undecided:
         traced = jax.make_jaxpr(step, return_shape=True)(
             per_device(leaves), per_device(micro, symbol), per_device(call.state))
       if undecided:  # e.g. `if x.shape[0] == 2`: this trace is not the program on 2 rows

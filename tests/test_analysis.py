@@ -245,7 +245,7 @@ def test_undecided_equalities_records_the_loss_comparisons_not_jaxs():
   comparison is restored afterwards."""
   from jax._src.export import shape_poly
 
-  from fxaccum import _analysis
+  from fxaccum import _symbolic
 
   (rows,) = jax.export.symbolic_shape("rows")
   x = jax.ShapeDtypeStruct((rows, 4), jnp.float32)
@@ -257,9 +257,9 @@ def test_undecided_equalities_records_the_loss_comparisons_not_jaxs():
   def compares(x):
     return jnp.sum(x) if x.shape[0] == 2 or x.shape[0] != 3 else jnp.mean(x)
 
-  with _analysis.undecided_equalities() as internal:
+  with _symbolic.undecided_equalities() as internal:
     jax.make_jaxpr(jax.grad(internal_only))(x)
-  with _analysis.undecided_equalities() as found:
+  with _symbolic.undecided_equalities() as found:
     jax.make_jaxpr(compares)(x)
   assert internal == []
   assert len(found) == 2 and all("test_analysis.py" in f for f in found), found
