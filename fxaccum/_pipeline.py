@@ -94,6 +94,11 @@ def pipeline(
       iteration. It costs one more forward pass than GPipe with ``remat``.
     repeats: ``R``, the stages per device of the circular schedule (1 for GPipe).
 
+  Reverse-mode differentiation (``jax.grad``, ``jax.vjp``, and of those again) works
+  for every schedule. 1F1B, streamed GPipe with ``remat`` and every schedule with
+  tensor-parallel stages on an Explicit mesh differentiate by a ``jax.custom_vjp`` rule,
+  so not in forward mode (``jax.jvp``): docs/pipeline.md, "What is not built yet".
+
   Returns:
     ``y``, the output of the last stage, with ``x``'s shape, dtype and sharding.
 

@@ -467,3 +467,30 @@ def test_gpipe_streamed_memory_grows_by_its_stash_and_shares():
   low = streamed_vjp_bytes(4, P(("data", "stage")), schedule="gpipe")
   high = streamed_vjp_bytes(32, P(("data", "stage")), schedule="gpipe")
   assert (high - low) / 28 / one_micro_batch <= 1.6
+
+
+def test_reverse_over_reverse_through_the_custom_backward_passes():
+  """Streamed GPipe's and 1F1B's backward passes are custom_vjp rules: a Hessian-vector
+  product by jax.grad of jax.grad through them equals the one through the stages in a
+  loop (forward mode is documented as unsupported there)."""
+  mesh = jax.make_mesh((2, 4), ("data", "stage"), axis_types=(AxisType.Auto,) * 2)
+  rng = np.random.default_rng(5)
+  params = {"w": (rng.normal(size=(4, 8, 8)) / 3).astype(np.float32)}
+  x = rng.normal(size=(16, 8)).astype(np.float32)
+  vector = {"w": rng.normal(size=(4, 8, 8)).astype(np.float32)}
+
+  def stage_fn(p, h):
+    return jnp.tanh(h @ p["w"])
+
+  def hvp(body):
+    loss = lambda p: jnp.sum(body(p, x) ** 2)  # noqa: E731
+    return jax.grad(lambda p: jnp.vdot(jax.grad(loss)(p)["w"], vector["w"]))(params)
+
+  with jax.default_matmul_precision("highest"):
+    ref = hvp(lambda p, h: jax.lax.fori_loop(
+        0, 4, lambda s, h: stage_fn(jax.tree.map(lambda a: a[s], p), h), h))
+    for schedule in ("gpipe", "1f1b"):
+      with jax.set_mesh(mesh):
+        got = jax.jit(lambda: hvp(lambda p, h: fxaccum.pipeline(
+            stage_fn, p, h, micro_batches=4, schedule=schedule)))()
+      assert_tree_close(got, ref, rtol=1e-4)
