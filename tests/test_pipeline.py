@@ -491,6 +491,6 @@ def test_reverse_over_reverse_through_the_custom_backward_passes():
         0, 4, lambda s, h: stage_fn(jax.tree.map(lambda a: a[s], p), h), h))
     for schedule in ("gpipe", "1f1b"):
       with jax.set_mesh(mesh):
-        got = jax.jit(lambda: hvp(lambda p, h: fxaccum.pipeline(
+        got = jax.jit(lambda schedule=schedule: hvp(lambda p, h: fxaccum.pipeline(
             stage_fn, p, h, micro_batches=4, schedule=schedule)))()
       assert_tree_close(got, ref, rtol=1e-4)
