@@ -415,7 +415,7 @@ def _gpipe_backward(stage_fn: Callable, k: int, stages: int, stage_axis: str,
       grads = jax.tree.map(lambda g, d: g + jnp.where(done, d, jnp.zeros_like(d)), grads,
                            d_params)
       leaving = jax.tree.map(lambda d, r: jnp.where(stage == 0, d, r), d_h, leaving)
-      dx = shares.home(dx, leaving, t + stage, stage)  # micro-batch t - 0 + s, on its way
+      dx = shares.home(dx, leaving, t + stage, stage)  # x's gradient of t + s, going home
       return (lax.ppermute(d_h, stage_axis, left), lax.ppermute(owed, stage_axis, right),
               lax.ppermute(leaving, stage_axis, right), grads, dx), None
 
