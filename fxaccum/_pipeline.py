@@ -107,7 +107,8 @@ def pipeline(
       ``S`` (``(R, S)`` for the circular schedule), ``micro_batches < 1``, a batch that
       does not split into ``k`` micro-batches per data device, a ``stage_fn`` that changes
       the activations' shapes or dtypes, an unknown ``schedule``, ``repeats`` with GPipe,
-      or a circular schedule with fewer micro-batches than stages.
+      a circular schedule with fewer micro-batches than stages, or a ``stage_fn`` that
+      closes over a value being differentiated (pass it in ``stage_params``).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -131,6 +132,7 @@ def pipeline(
         f"use micro_batches={stages} or more, or repeats=1.")
   leading = (repeats, stages) if schedule == "circular" else (stages,)
   _check_params(stage_params, leading, stage_axis)
+  _check_closure(stage_fn, stage_params, x, len(leading), k)
   devices = 1
   for axis in axes:
     devices *= mesh.shape[axis]
@@ -621,6 +623,32 @@ def _layout(stage_params: Any, x: Any, stage_axis: str,
           f"{tuple(mesh.axis_names)} other than the stage axis {stage_axis!r} that are not "
           "already manual here.")
   return mesh, mesh.shape[stage_axis], axes
+
+
+# The tracers of JAX's differentiation (jax.grad / jax.vjp / jax.jvp), by name: a stage_fn
+# closing over one is differentiated with respect to it.
+_DIFFERENTIATED = frozenset({"JVPTracer", "LinearizeTracer"})
+
+
+def _check_closure(stage_fn: Callable, stage_params: Any, x: Any, leading: int, k: int) -> None:
+  """A ``stage_fn`` that closes over a value being differentiated fails deep inside JAX
+  (a leaked tracer, or a mesh mismatch) in every schedule: say so, and what to do."""
+  def sliced(leaf, shape):
+    return jax.ShapeDtypeStruct(shape, leaf.dtype)
+
+  try:
+    closed = jax.make_jaxpr(stage_fn)(
+        jax.tree.map(lambda a: sliced(a, a.shape[leading:]), stage_params),
+        jax.tree.map(lambda a: sliced(a, (max(a.shape[0] // k, 1), *a.shape[1:])), x))
+  except Exception:  # noqa: BLE001 - code that runs only inside the region: no check
+    return
+  if any(type(c).__name__ in _DIFFERENTIATED for c in closed.consts):
+    raise ValueError(
+        "stage_fn closes over a value that is being differentiated (e.g. a scale or a "
+        "param outside stage_params, with jax.grad taken with respect to it). The pipeline "
+        "differentiates only what it is given: pass that value in stage_params, with the "
+        "leading stage dimension(s) (e.g. jnp.broadcast_to(scale, (S,))), or in x. "
+        "Closing over values that are not differentiated is fine.")
 
 
 def _check_params(stage_params: Any, leading: tuple[int, ...], stage_axis: str) -> None:

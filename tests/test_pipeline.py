@@ -494,3 +494,34 @@ def test_reverse_over_reverse_through_the_custom_backward_passes():
         got = jax.jit(lambda schedule=schedule: hvp(lambda p, h: fxaccum.pipeline(
             stage_fn, p, h, micro_batches=4, schedule=schedule)))()
       assert_tree_close(got, ref, rtol=1e-4)
+
+
+@pytest.mark.parametrize("schedule, k", [("gpipe", 4), ("gpipe", 2), ("circular", 4),
+                                         ("1f1b", 4)])
+def test_a_differentiated_value_stage_fn_closes_over_names_the_fix(schedule, k):
+  """jax.grad with respect to a value stage_fn closes over failed deep inside JAX (a
+  leaked tracer or a mesh mismatch): a ValueError now says to pass it in stage_params.
+  Closing over a value that is not differentiated still works."""
+  mesh = jax.make_mesh((2, 4), ("data", "stage"), axis_types=(AxisType.Auto,) * 2)
+  rng = np.random.default_rng(6)
+  w = (rng.normal(size=(4, 8, 8)) / 3).astype(np.float32)
+  x = rng.normal(size=(16, 8)).astype(np.float32)
+
+  def loss(w, scale):
+    stages = w[None] if schedule == "circular" else w
+    y = fxaccum.pipeline(lambda q, h: jnp.tanh(h @ q) * scale, stages, x, micro_batches=k,
+                         schedule=schedule)
+    return jnp.sum(y ** 2)
+
+  with jax.set_mesh(mesh):
+    with pytest.raises(ValueError, match="closes over a value that is being differentiated"):
+      jax.jit(jax.grad(loss, argnums=1))(w, jnp.float32(1.5))
+    got = jax.jit(jax.grad(loss))(w, jnp.float32(1.5))  # scale traced, not differentiated
+
+  def looped(w, scale):
+    h = x
+    for s in range(4):
+      h = jnp.tanh(h @ w[s]) * scale
+    return jnp.sum(h ** 2)
+
+  assert_tree_close(got, jax.grad(looped)(w, np.float32(1.5)), rtol=1e-4)
