@@ -165,19 +165,23 @@ class LM(nn.Module):
     return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
-def _regression(quick: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def _regression(quick: bool, width: int | None = None
+                ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """The MLP problems' sizes (quick: one hidden layer, compiles fastest; still two layers
-  for tensor parallelism) and their global batch (host arrays)."""
-  width, depth, dim, batch = (64, 0, 8, 64) if quick else (1024, 4, 32, 512)
+  for tensor parallelism; ``width`` overrides the hidden width) and their global batch
+  (host arrays)."""
+  default_width, depth, dim, batch = (64, 0, 8, 64) if quick else (1024, 4, 32, 512)
+  width = width or default_width
   rng = np.random.default_rng(0)
   data = {"x": rng.normal(size=(batch, dim)).astype(np.float32),
           "y": rng.normal(size=(batch, dim)).astype(np.float32)}
   return {"width": width, "hidden_layers": depth, "in_out_dim": dim, "global_batch": batch}, data
 
 
-def mlp_setup(quick: bool) -> dict[str, Any]:
-  """The MLP regression problem: model, loss, params and the global batch (host arrays)."""
-  config, data = _regression(quick)
+def mlp_setup(quick: bool, width: int | None = None) -> dict[str, Any]:
+  """The MLP regression problem: model, loss, params and the global batch (host arrays);
+  ``width`` overrides the hidden width (1024)."""
+  config, data = _regression(quick, width)
   model = MLP(width=config["width"], depth=config["hidden_layers"], out=config["in_out_dim"])
   params = jax.jit(model.init)(jax.random.key(0), data["x"][:1])
 
@@ -206,9 +210,11 @@ def bn_mlp_setup(quick: bool) -> dict[str, Any]:
           "config": {**config, "batch_norm": True}, "mixes_examples": True}
 
 
-def lm_setup(quick: bool) -> dict[str, Any]:
-  """The LM problem: next-token cross-entropy (mean over tokens) on random tokens."""
-  vocab, width, seq = (64, 32, 32) if quick else (256, 128, 256)
+def lm_setup(quick: bool, seq: int | None = None) -> dict[str, Any]:
+  """The LM problem: next-token cross-entropy (mean over tokens) on random tokens;
+  ``seq`` overrides the sequence length (256; 32 with ``quick``)."""
+  vocab, width, default_seq = (64, 32, 32) if quick else (256, 128, 256)
+  seq = seq or default_seq
   layers, heads, batch = 2, 4, 64
   model = LM(vocab=vocab, width=width, layers=layers, heads=heads, seq=seq)
   rng = np.random.default_rng(0)
@@ -271,16 +277,18 @@ def layout_specs(name: str, params: Any, mesh: Any) -> Any:
     return {"params": {m: {"kernel": P(None, MODEL), "bias": P(MODEL)} if i % 2 == 0 else
                        {"kernel": P(MODEL, None), "bias": P()}
                        for i, m in enumerate(layers)}}
-  n = mesh.shape[DATA]
+  return jax.tree.map(lambda leaf: fsdp_spec(leaf.shape, mesh.shape[DATA]), params)
 
-  def fsdp(leaf):
-    dims = [d for d in range(leaf.ndim) if leaf.shape[d] % n == 0]
-    if not dims:
-      return P()
-    dim = max(dims, key=lambda d: leaf.shape[d])
-    return P(*(DATA if d == dim else None for d in range(dim + 1)))
 
-  return jax.tree.map(fsdp, params)
+def fsdp_spec(shape: tuple[int, ...], devices: int, *, along: str = "largest") -> Any:
+  """FSDP: sharded over ``DATA`` along the ``"largest"`` (or the ``"last"``: never the
+  stacked layers' dimension 0 of a scanned kernel) dimension that ``devices`` divides;
+  replicated if none does."""
+  dims = [d for d in range(len(shape)) if shape[d] % devices == 0]
+  if not dims:
+    return P()
+  dim = max(dims, key=lambda d: shape[d]) if along == "largest" else dims[-1]
+  return P(*(DATA if d == dim else None for d in range(dim + 1)))
 
 
 def data_mesh() -> Any:

@@ -24,7 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import interleaved, md_header, md_row
+from common import fsdp_spec, interleaved, md_header, md_row
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -62,12 +62,9 @@ class Scanned(nn.Module):
 
 
 def fsdp(a, mesh):
-  """Sharded over `data` along the last dimension that 8 divides (replicated if none)."""
-  dims = [d for d in range(a.ndim) if a.shape[d] % 8 == 0]
-  spec = [None] * a.ndim
-  if dims:
-    spec[dims[-1]] = "data"
-  return jax.device_put(a, NamedSharding(mesh, P(*spec)))
+  """Sharded over `data` along the last dimension it divides (replicated if none)."""
+  return jax.device_put(a, NamedSharding(mesh, fsdp_spec(a.shape, mesh.shape["data"],
+                                                         along="last")))
 
 
 def row(model, layers, k, mesh):

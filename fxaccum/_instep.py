@@ -1126,9 +1126,9 @@ def _device_loop(config: _Config, layout: sync.Layout, call: _Call, presummed: b
       # In-loop gathers already reduce-scattered over their axes each micro-batch.
       scattered = {a for _, dim_axes in (loop_dims or dims) for a in dim_axes}
       plans.append(((() if loop_dims else dims), tuple(a for a in axes if a not in scattered)))
-    return [safe_divide(reduced, weight).astype(jnp.result_type(leaf))
-            for reduced, leaf in zip(reduce_lib.reduce_leaves(sums, plans, config.bucket_bytes),
-                                     call.diff_leaves, strict=True)]
+    means = safe_divide(reduce_lib.reduce_leaves(sums, plans, config.bucket_bytes), weight)
+    return [mean.astype(jnp.result_type(leaf))
+            for mean, leaf in zip(means, call.diff_leaves, strict=True)]
 
   sums = acc.Accumulator(
       lambda: [sync.vary(jnp.zeros_like(leaf, config.accum_dtype), axes) for leaf in whole],
@@ -1189,8 +1189,8 @@ def _global_loop(config: _Config, layout: sync.Layout, path: _view.Path,
             for total, spec, r in zip(sums, specs, reduced, strict=True)]
     if not config.reduce:
       return _as_unreduced(config, layout, call, sums, weight)
-    grads = [constrain(i, safe_divide(total, weight).astype(jnp.result_type(leaf)))
-             for i, (total, leaf) in enumerate(zip(sums, call.diff_leaves, strict=True))]
+    grads = [constrain(i, mean.astype(jnp.result_type(leaf))) for i, (mean, leaf) in
+             enumerate(zip(safe_divide(sums, weight), call.diff_leaves, strict=True))]
     return jax.tree.unflatten(call.diff_def, grads)
 
   path = dataclasses.replace(path, reduced_leaves=sum(map(bool, reduced)), leaves=len(whole))

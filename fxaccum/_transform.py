@@ -382,7 +382,7 @@ def gate(
       manual = tuple(a for a in config.data_axes if a in sync.manual_axes())
       if manual:
         total, weight = lax.psum((total, weight), manual)
-    mean = jax.tree.map(lambda t, d: safe_divide(t, weight).astype(d), total, grad_dtypes)
+    mean = jax.tree.map(lambda t, d: t.astype(d), safe_divide(total, weight), grad_dtypes)
     reset = state._replace(
         micro_step=jnp.zeros_like(state.micro_step),
         optimizer_step=state.optimizer_step + 1,

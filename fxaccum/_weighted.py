@@ -225,14 +225,24 @@ def all_finite(tree: Any) -> jax.Array:
   return finite
 
 
-def safe_divide(numerator: Any, denominator: Any) -> jax.Array:
-  """``numerator / denominator`` in at least float32, with 0 where ``denominator`` is 0.
+def safe_divide(numerator: Any, denominator: Any) -> Any:
+  """``numerator / denominator`` for each leaf of ``numerator`` (an array or a pytree), in
+  at least float32, with 0 where ``denominator`` is 0.
 
   For integer token counts this is ``numerator / max(denominator, 1)``; unlike ``max``
-  it stays correct for fractional float weights (e.g. a total weight of 0.25).
+  it stays correct for fractional float weights (e.g. a total weight of 0.25). The
+  denominator is prepared once per dtype, not once per leaf.
   """
-  numerator = jnp.asarray(numerator)
-  dtype = jnp.promote_types(numerator.dtype, jnp.float32)
-  denominator = jnp.asarray(denominator).astype(dtype)
-  nonzero = denominator != 0
-  return jnp.where(nonzero, numerator.astype(dtype) / jnp.where(nonzero, denominator, 1), 0)
+  prepared: dict[Any, tuple[jax.Array, jax.Array]] = {}
+
+  def divide(leaf: Any) -> jax.Array:
+    leaf = jnp.asarray(leaf)
+    dtype = jnp.promote_types(leaf.dtype, jnp.float32)
+    if dtype not in prepared:
+      cast = jnp.asarray(denominator).astype(dtype)
+      nonzero = cast != 0
+      prepared[dtype] = nonzero, jnp.where(nonzero, cast, 1)
+    nonzero, safe = prepared[dtype]
+    return jnp.where(nonzero, leaf.astype(dtype) / safe, 0)
+
+  return jax.tree.map(divide, numerator)
