@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+__all__ = ["Const", "Exp", "Kind", "Rows", "Stat", "Top", "Unpaired", "add_exps",
+           "common_exp", "join", "mixing"]
+
 Exp = float | None  # the value scales as D ** exp; None: some other dependence on n
 
 
@@ -77,6 +80,7 @@ def common_exp(kinds) -> Exp:
 
 
 def add_exps(kinds) -> Exp:
+  """The exponent of a product: its operands' exponents added (None if one is unknown)."""
   exps = [k.exp for k in kinds]
   return None if None in exps else float(sum(exps))
 

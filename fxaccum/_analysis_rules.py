@@ -30,8 +30,13 @@ from fxaccum._analysis_kinds import (
 if TYPE_CHECKING:
   from fxaccum._analysis import _Walker
 
+__all__ = ["ELEMENTWISE", "RULES", "SUBCALLS", "TRANSPARENT", "elementwise", "shape_of",
+           "slice_at", "whole_dim", "with_place"]
+
 
 def slice_at(eqn, d: int) -> Any:
+  """What a ``slice`` (start, limit, stride) or a ``dynamic_slice`` / ``gather`` (its size)
+  takes along dimension ``d``."""
   p = eqn.params
   if eqn.primitive.name == "slice":
     strides = p.get("strides") or (1,) * len(p["start_indices"])
@@ -40,6 +45,7 @@ def slice_at(eqn, d: int) -> Any:
 
 
 def whole_dim(eqn, d: int) -> bool:
+  """Whether ``eqn`` (see :func:`slice_at`) takes all of its operand's dimension ``d``."""
   size = shape_of(eqn.invars[0])[d]
   if eqn.primitive.name == "slice":
     return slice_at(eqn, d) == (0, size, 1)
@@ -47,6 +53,7 @@ def whole_dim(eqn, d: int) -> bool:
 
 
 def with_place(eqn, what: str) -> str:
+  """``what``, followed by the line of the user's code that made ``eqn``."""
   place = _place(eqn)
   return f"{what}{place}" if place else what
 
@@ -61,6 +68,7 @@ def _place(eqn) -> str:
 
 
 def shape_of(var) -> tuple[int, ...]:
+  """A jaxpr variable's shape (``()`` for tokens and other non-arrays)."""
   return tuple(getattr(var.aval, "shape", ()))
 
 
