@@ -222,6 +222,14 @@ def grad_only(fn: Callable, params: Any, batch: Any, mesh: Any) -> Prepared:
                   {"temp_bytes": rep.memory.temp_bytes if rep.memory else None}, lambda _: 0)
 
 
+def model_setup(model: str, quick: bool, lm_seq: int | None = None,
+                mlp_width: int | None = None) -> dict[str, Any]:
+  """The problem named ``model`` (``mlp``, ``bn_mlp`` or ``lm``), with the LM's sequence
+  length and the MLP's width where given."""
+  return {"mlp": lambda: mlp_setup(quick, mlp_width), "bn_mlp": lambda: bn_mlp_setup(quick),
+          "lm": lambda: lm_setup(quick, lm_seq)}[model]()
+
+
 def run_setup(name: str, quick: bool, ks: list[int], repeats: int,
               log: Callable[[str], None], lm_seq: int | None = None,
               mlp_width: int | None = None) -> dict[str, Any]:
@@ -234,8 +242,7 @@ def run_setup(name: str, quick: bool, ks: list[int], repeats: int,
   except ValueError as e:
     return {"skipped": str(e)}
   with jax.set_mesh(mesh):  # the LM's embedding lookup names its output sharding
-    setup = (lm_setup(quick, lm_seq) if model == "lm" else mlp_setup(quick, mlp_width)
-             if model == "mlp" else bn_mlp_setup(quick))
+    setup = model_setup(model, quick, lm_seq, mlp_width)
   specs = layout_specs(layout_name, setup["params"], mesh)
   batch_size = setup["config"]["global_batch"]
   device = describe_device()
@@ -503,7 +510,7 @@ def hlo_digests(names: list[str], ks: list[int]) -> dict[str, str]:
     layout_name, model = name.split("/")
     mesh = layout_mesh(layout_name)
     with jax.set_mesh(mesh):
-      setup = {"mlp": mlp_setup, "bn_mlp": bn_mlp_setup, "lm": lm_setup}[model](False)
+      setup = model_setup(model, quick=False)
       specs = layout_specs(layout_name, setup["params"], mesh)
       params = jax.tree.map(lambda x, s, m=mesh: jax.device_put(x, NamedSharding(m, s)),
                             setup["params"], specs)
