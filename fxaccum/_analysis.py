@@ -58,7 +58,6 @@ from fxaccum._analysis_kinds import (
     Stat,
     Top,
     Unpaired,
-    common_exp,
     join,
     mixing,
 )
@@ -407,6 +406,17 @@ class _Walker:
     return self.literal(var, partner.invars[position] if partner is not None else None)
 
   def _eqn(self, eqn, kinds: list[Kind], sources: dict[int, int]) -> list[Kind]:
+    try:
+      return self._eqn_kinds(eqn, kinds, sources)
+    except Unpaired:
+      raise
+    except Exception as err:  # noqa: BLE001 - a rule that does not fit this JAX's equation
+      self.not_reducible.update(sources.values())
+      return [Top(with_place(eqn, (
+          f"fxaccum could not read {eqn.primitive.name} as JAX {jax.__version__} writes it "
+          f"({type(err).__name__}: {err}); please report it")))] * len(eqn.outvars)
+
+  def _eqn_kinds(self, eqn, kinds: list[Kind], sources: dict[int, int]) -> list[Kind]:
     name = eqn.primitive.name
     subcall = SUBCALLS.get(name)
     if subcall is not None:
@@ -428,8 +438,11 @@ class _Walker:
       if name in ELEMENTWISE:
         rule = elementwise
       elif all(isinstance(k, Const) for k in kinds):
+        # An op with no rule keeps batch-independent values batch-independent, but how
+        # its result scales with the number of rows is known only where nothing scales.
         scaled = any(self.scaled_dims(eqn, i) for i in range(len(kinds)))
-        return [Const(exp=None if scaled else common_exp(kinds))] * len(eqn.outvars)
+        exp = 0.0 if not scaled and all(k.exp == 0 for k in kinds) else None
+        return [Const(exp=exp)] * len(eqn.outvars)
       else:
         return [Top(with_place(eqn, f"{name} is not known to keep examples apart"))] * len(
             eqn.outvars)

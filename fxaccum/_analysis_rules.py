@@ -26,6 +26,7 @@ from fxaccum._analysis_kinds import (
     common_exp,
     join,
 )
+from fxaccum._jax_compat import scan_counts
 
 if TYPE_CHECKING:
   from fxaccum._analysis import _Walker
@@ -253,7 +254,7 @@ def _reduction(linear: bool):
   def rule(w: _Walker, eqn, kinds):
     kind = kinds[0]
     name = eqn.primitive.name
-    axes = set(eqn.params.get("axes", ()))
+    axes = set(eqn.params["axes"])
     scaled = w.scaled_dims(eqn, 0) & axes
     if isinstance(kind, Const):
       keep = [d for d in range(len(shape_of(eqn.invars[0]))) if d not in axes]
@@ -781,18 +782,20 @@ RULES: dict[str, Callable[..., Any]] = {
     **{name: _random_keys for name in ("random_bits", "random_split", "random_wrap",
                                        "random_unwrap", "rng_bit_generator")},
     **{name: _identity for name in ("sharding_constraint", "reshard", "mesh_cast",
-                                    "device_put", "optimization_barrier")},
+                                    "device_put", "optimization_barrier", "relayout")},
     **{name: _collective for name in (
         "psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "psum_scatter",
-        "reduce_scatter", "axis_index", "pbroadcast", "pcast", "psum_invariant")},
+        "reduce_scatter", "axis_index", "pbroadcast", "pcast", "psum_invariant",
+        "unreduced_pmax", "unreduced_pmin", "pbroadcast_dynamic")},
 }
 
 ELEMENTWISE = frozenset("""
     abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
     bitcast_convert_type cbrt ceil clamp clz complex conj convert_element_type copy copy_p
     cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igamma_grad_a
-    igammac imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg
-    nextafter not or polygamma population_count pow random_fold_in random_seed
+    igammac imag integer_pow is_finite le lgamma log log1p log2 logistic lt max min mul ne
+    neg nextafter not one_minus_square or polygamma polynomial population_count pow
+    random_fold_in random_seed
     random_gamma_grad real reduce_precision regularized_incomplete_beta rem round rsqrt
     select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
     stop_gradient sub tan tanh threefry2x32 xor zeta
@@ -837,7 +840,7 @@ def _shard_map(w: _Walker, eqn, kinds, sources):
 
 def _scan(w: _Walker, eqn, kinds, sources):
   p = eqn.params
-  n_consts, n_carry = p["num_consts"], p["num_carry"]
+  n_consts, n_carry = scan_counts(p)
   consts, carry, xs = kinds[:n_consts], kinds[n_consts:n_consts + n_carry], kinds[
       n_consts + n_carry:]
   for pos, param in sources.items():
@@ -880,7 +883,7 @@ def _scan_over_rows(w: _Walker, eqn, kinds, body_sources):
   add a value that does not depend on the carries (a sum over the iterations, such as
   the transposed scan's gradient accumulators); any other carry links the examples."""
   p = eqn.params
-  n_consts, n_carry = p["num_consts"], p["num_carry"]
+  n_consts, n_carry = scan_counts(p)
   outs = len(eqn.outvars)
   what = with_place(eqn, "a loop over the examples that carries state from one to the next")
   body = p["jaxpr"]

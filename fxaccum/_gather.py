@@ -22,6 +22,7 @@ from jax.extend import core as jcore
 from jax.extend.core import primitives
 
 from fxaccum import _sync as sync
+from fxaccum._jax_compat import scan_counts
 
 __all__ = ["value_and_grad"]
 
@@ -100,7 +101,7 @@ def _scan(eqn: jcore.JaxprEqn, values: list[Any]) -> list[Any]:
   """A ``scan`` whose ``xs`` hold shards of stacked params (sharded along another
   dimension than the scanned one): each iteration gathers its own slice."""
   params = eqn.params
-  body, n_consts, n_carry = params["jaxpr"], params["num_consts"], params["num_carry"]
+  body, (n_consts, n_carry) = params["jaxpr"], scan_counts(params)
   consts = [_gathered(v) for v in values[:n_consts]]
   carry = [_gathered(v) for v in values[n_consts:n_consts + n_carry]]
   xs, sliced = [], []

@@ -167,6 +167,10 @@ SIZE_DEPENDENT = {
         jnp.arange(x.shape[0])[-1] + 1.0),
     "custom_jvp_rule_mixes_rows": lambda w, x: jnp.mean(_rows_mixing_jvp(x @ w) ** 2),
     "mean_with_loss_reduction_sum": lambda w, x: jnp.mean(_per_row(w, x)),
+    # sqrt(n) through an op the analysis has no rule for (cholesky): it once passed the
+    # row count's scaling through unchanged, took this for a mean and was 0.65 wrong.
+    "sum_over_sqrt_n_by_an_unknown_op": lambda w, x: jnp.sum(_per_row(w, x)) / jnp.linalg.cholesky(
+        jnp.full((1, 1), x.shape[0], jnp.float32))[0, 0],
 }
 
 
@@ -237,6 +241,30 @@ def test_losses_that_depend_on_the_number_of_rows(name, axis_type):
   elif name == "custom_jvp_rule_mixes_rows":
     assert all(p.view == "global" and "gradient mixes examples" in p.reason
                for p in analyzed), paths
+
+
+def test_a_rule_that_cannot_read_its_equation_falls_back_to_the_global_view(monkeypatch):
+  """A JAX release that renames an equation's parameters (JAX 0.11 packed scan's counts into
+  one tree) must not surface fxaccum's KeyError: that equation is unknown, the loss runs
+  in the global view, exact, and the path names the equation."""
+  from fxaccum import _analysis_rules
+
+  def renamed(w, eqn, kinds):
+    return eqn.params["a parameter this JAX does not write"]
+
+  monkeypatch.setitem(_analysis_rules.RULES, "reduce_sum", renamed)
+  loss = lambda w, x: jnp.mean(_per_row(w, x))  # noqa: E731 - per-example: device view
+  x = np.random.default_rng(3).normal(size=(ROWS, DIM)).astype(np.float32)
+  w = (0.5 * np.random.default_rng(4).normal(size=(DIM, OUT))).astype(np.float32)
+  f = jax.jit(fxaccum.value_and_grad(loss, micro_batches=4))
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+    got = f(w, sharded)
+    (path,) = diagnostics.paths(f, w, sharded)
+  assert path.view == "global", path
+  assert "could not read reduce_sum" in path.reason and "KeyError" in path.reason, path
+  assert_tree_close(got, micro_reference(loss, w, x, 4, summed=False), rtol=2e-5)
 
 
 def test_undecided_equalities_records_the_loss_comparisons_not_jaxs():
