@@ -791,14 +791,14 @@ RULES: dict[str, Callable[..., Any]] = {
 
 ELEMENTWISE = frozenset("""
     abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
-    bitcast_convert_type cbrt ceil clamp clz complex conj convert_element_type copy copy_p
-    cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igamma_grad_a
-    igammac imag integer_pow is_finite le lgamma log log1p log2 logistic lt max min mul ne
-    neg nextafter not one_minus_square or polygamma polynomial population_count pow
-    random_fold_in random_seed
-    random_gamma_grad real reduce_precision regularized_incomplete_beta rem round rsqrt
-    select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
-    stop_gradient sub tan tanh threefry2x32 xor zeta
+    bitcast_convert_type cbrt ceil clamp clz complex conj convert_element_type copy
+    copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma
+    igamma_grad_a igammac imag integer_pow is_finite le lgamma log log1p log2 logistic
+    lt max min mul ne neg nextafter not one_minus_square or polygamma polynomial
+    population_count pow random_fold_in random_seed random_gamma_grad real
+    reduce_precision regularized_incomplete_beta rem round rsqrt select_n shift_left
+    shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient
+    sub tan tanh threefry2x32 xor zeta
 """.split())
 
 # Ops through which a param stays "the param" for the reduced-type analysis.
