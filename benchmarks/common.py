@@ -409,13 +409,17 @@ def logger(started: float) -> Callable[[str], None]:
 
 
 def environment() -> dict[str, Any]:
-  """Device kind / platform / count, host CPUs and library versions, for the JSON."""
+  """Device kind / platform / count, host CPUs, f32 matmul precision and library versions,
+  for the JSON. The precision matters on GPU: XLA:GPU's default (None) multiplies f32 in
+  TF32, whose rounding shows in the error columns (``JAX_DEFAULT_MATMUL_PRECISION=highest``
+  for full f32)."""
   device = jax.devices()[0]
   return {
       "device_kind": device.device_kind,
       "platform": device.platform,
       "device_count": jax.device_count(),
       "host_cpus": os.cpu_count(),
+      "matmul_precision": jax.config.jax_default_matmul_precision,
       "versions": {"jax": jax.__version__, "flax": flax.__version__,
                    "optax": optax.__version__, "fxaccum": fxaccum.__version__,
                    "python": platform.python_version()},
