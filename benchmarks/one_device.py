@@ -1,0 +1,194 @@
+"""fxaccum's micro-batch loop against plain ``jit`` + ``lax.scan``'s on ONE device.
+
+Run from the repository root (made for a GPU; on CPU it runs one simulated device)::
+
+  python benchmarks/one_device.py --profile   # about 2 minutes on one H200
+
+With one device there is no communication to save: the two loops should be the same
+program. For the suite's MLP (``common.mlp_setup``) at k micro-batches, per variant (f32
+matmul precision x XLA:GPU's programmatic dependent launch, PDL, on or off; each in its own
+process, since both are read when JAX starts): ms per call of the large batch's, fxaccum's
+and plain scan's gradient function (median, min, max of interleaved rounds of ``--calls``
+calls each), temp memory, the instructions in each compiled loop body, the largest gradient
+difference to the large batch's and, with ``--profile``, fxaccum's and plain scan's device
+time per kernel from ``jax.profiler``. Writes ``benchmarks/results/one_device.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+# name -> (JAX_DEFAULT_MATMUL_PRECISION, extra XLA_FLAGS): f32 matmuls at full precision
+# or at the default (TF32 on XLA:GPU), with or without programmatic dependent launch.
+VARIANTS = {
+    "f32": ("highest", ""),
+    "f32-no-pdl": ("highest", "--xla_gpu_enable_pdl=false"),
+    "default": ("", ""),
+    "default-no-pdl": ("", "--xla_gpu_enable_pdl=false"),
+}
+
+
+def loop_bodies(hlo: str) -> list[int]:
+  """The instruction count of each ``while`` body computation in compiled HLO text."""
+  counts: dict[str, int] = {}
+  name = None
+  for line in hlo.splitlines():
+    head = re.match(r"^(?:ENTRY )?(%?[\w.\-]+) .*\{$", line.rstrip())
+    if head:
+      name = head.group(1)
+      counts[name] = 0
+    elif name and line.strip() not in ("", "}"):
+      counts[name] += 1
+  return [counts[b] for b in sorted(set(re.findall(r"body=(%?[\w.\-]+)", hlo)))]
+
+
+def kernel_ms(compiled, args, calls: int, top: int) -> list[tuple[str, float, float]]:
+  """``(kernel, ms per call, launches per call)`` of the ``top`` largest device kernels."""
+  import jax
+  with tempfile.TemporaryDirectory() as folder:
+    with jax.profiler.trace(folder):
+      for _ in range(calls):
+        out = compiled(*args)
+      jax.block_until_ready(out)
+    (path,) = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+    data = jax.profiler.ProfileData.from_file(path)
+  ns, launches = collections.Counter(), collections.Counter()
+  for plane in data.planes:
+    if plane.name.startswith("/device:"):
+      for line in plane.lines:
+        if "Stream" in line.name:
+          for event in line.events:
+            ns[event.name] += event.duration_ns
+            launches[event.name] += 1
+  return [(k, round(v / 1e6 / calls, 4), launches[k] / calls) for k, v in ns.most_common(top)]
+
+
+def sliced_in_loop(loss, k: int):
+  """Plain scan, but slicing micro-batch ``i`` (rows ``i::k``) inside the loop as fxaccum
+  does, rather than transposing the batch once before it."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+
+  def value_and_grad(params, batch):
+    rows = jax.tree.map(lambda a: a.reshape(a.shape[0] // k, k, *a.shape[1:]), batch)
+
+    def body(carry, index):
+      micro = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, 1, False), rows)
+      loss_value, grads = jax.value_and_grad(loss)(params, micro)
+      return jax.tree.map(jnp.add, carry, (loss_value, grads)), None
+
+    init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    total, _ = lax.scan(body, init, jnp.arange(k))
+    return jax.tree.map(lambda t: t / k, total)
+
+  return value_and_grad
+
+
+def child(k: int, rounds: int, calls: int, profile: bool) -> dict:
+  """One variant's figures (JAX starts here, with this process's flags)."""
+  import common  # noqa: F401 - first: XLA_FLAGS before JAX starts
+  import jax
+  import jax.numpy as jnp
+  from common import environment, layout_mesh, mlp_setup
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  from methods import plain_scan_value_and_grad
+
+  import fxaccum
+
+  setup = mlp_setup(False)
+  mesh = layout_mesh("replicated")
+  out: dict = {"environment": environment(), "k": k}
+  with jax.set_mesh(mesh):
+    args = (jax.device_put(setup["params"], NamedSharding(mesh, P())),
+            jax.device_put(setup["batch"], NamedSharding(mesh, P("data"))))
+    fns = {"large batch": jax.value_and_grad(setup["loss"]),
+           "fxaccum": fxaccum.value_and_grad(setup["loss"], micro_batches=k),
+           "plain scan": plain_scan_value_and_grad(setup["loss"], k),
+           "plain scan, sliced in the loop": sliced_in_loop(setup["loss"], k)}
+    compiled = {name: jax.jit(fn).lower(*args).compile() for name, fn in fns.items()}
+    reference = jax.block_until_ready(compiled["large batch"](*args))[1]
+    times: dict[str, list[float]] = {name: [] for name in compiled}
+    for name, fn in compiled.items():
+      got = jax.block_until_ready(fn(*args))[1]
+      out[name] = {
+          "temp_MiB": round(fn.memory_analysis().temp_size_in_bytes / 2**20, 1),
+          "loop_body_instructions": loop_bodies(fn.as_text()),
+          "max_grad_abs_err": max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                                  zip(jax.tree.leaves(got), jax.tree.leaves(reference),
+                                      strict=True))}
+    for _ in range(rounds):  # in turns: load from elsewhere falls on all three alike
+      for name, fn in compiled.items():
+        start = time.perf_counter()
+        for _ in range(calls):
+          result = fn(*args)
+        jax.block_until_ready(result)
+        times[name].append((time.perf_counter() - start) * 1e3 / calls)
+    for name in compiled:
+      out[name]["ms_per_call"] = {"median": round(statistics.median(times[name]), 4),
+                                  "min": round(min(times[name]), 4),
+                                  "max": round(max(times[name]), 4)}
+      if profile and name != "large batch":  # device time per kernel
+        out[name]["kernels"] = kernel_ms(compiled[name], args, calls, top=8)
+  return out
+
+
+def run_variant(name: str, argv: list[str]) -> dict:
+  precision, flags = VARIANTS[name]
+  env = {name: value for name, value in os.environ.items()
+         if name != "JAX_DEFAULT_MATMUL_PRECISION"}
+  if precision:
+    env["JAX_DEFAULT_MATMUL_PRECISION"] = precision
+  env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS", ""), flags,
+                                            "--xla_force_host_platform_device_count=1"]))
+  with tempfile.NamedTemporaryFile(suffix=".json") as f:
+    subprocess.run([sys.executable, __file__, "--child", f.name, *argv], env=env, check=True)
+    return json.load(open(f.name))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--k", type=int, default=8)
+  parser.add_argument("--rounds", type=int, default=30)
+  parser.add_argument("--calls", type=int, default=20, help="calls per timed round")
+  parser.add_argument("--profile", action="store_true", help="device time per kernel")
+  parser.add_argument("--variants", default=",".join(VARIANTS),
+                      help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+  parser.add_argument("--out", default="benchmarks/results/one_device.json")
+  parser.add_argument("--child", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  shared = ["--k", str(args.k), "--rounds", str(args.rounds), "--calls", str(args.calls),
+            *(["--profile"] if args.profile else [])]
+  if args.child:
+    with open(args.child, "w") as f:
+      json.dump(child(args.k, args.rounds, args.calls, args.profile), f, indent=2)
+    return
+  results = {name: run_variant(name, shared) for name in args.variants.split(",")}
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(results, f, indent=2)
+  first = next(iter(results.values()))
+  methods = [m for m, figures in first.items() if isinstance(figures, dict) and
+             "ms_per_call" in figures]
+  print("| variant | " + " | ".join(methods) + " | fxaccum ÷ plain scan |")
+  print("|---|" + "---:|" * (len(methods) + 1))
+  for name, r in results.items():
+    ms = {m: r[m]["ms_per_call"]["median"] for m in methods}
+    print(f"| {name} | " + " | ".join(f"{ms[m]:.3f}" for m in methods) +
+          f" | {ms['fxaccum'] / ms['plain scan']:.2f} |")
+  print(f"\nwrote {args.out} ({first['environment']['device_kind']})")
+
+
+if __name__ == "__main__":
+  main()
