@@ -7,11 +7,12 @@ Run from the repository root (made for a GPU; on CPU it runs one simulated devic
 With one device there is no communication to save: the two loops should be the same
 program. For the suite's MLP (``common.mlp_setup``) at k micro-batches, per variant (f32
 matmul precision x XLA:GPU's programmatic dependent launch, PDL, on or off; each in its own
-process, since both are read when JAX starts): ms per call of the large batch's, fxaccum's
-and plain scan's gradient function (median, min, max of interleaved rounds of ``--calls``
-calls each), temp memory, the instructions in each compiled loop body, the largest gradient
-difference to the large batch's and, with ``--profile``, fxaccum's and plain scan's device
-time per kernel from ``jax.profiler``. Writes ``benchmarks/results/one_device.json``.
+process, since both are read when JAX starts): ms per call of the gradient function of the
+large batch, fxaccum, plain scan, and plain scan written to slice each micro-batch inside
+its loop as fxaccum does (median, min, max of interleaved rounds of ``--calls`` calls
+each), temp memory, the instructions in each compiled loop body, the largest gradient
+difference to the large batch's and, with ``--profile``, each loop's device time per kernel
+from ``jax.profiler``. Writes ``benchmarks/results/one_device.json``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 # name -> (JAX_DEFAULT_MATMUL_PRECISION, extra XLA_FLAGS): f32 matmuls at full precision
 # or at the default (TF32 on XLA:GPU), with or without programmatic dependent launch.
@@ -40,16 +40,12 @@ VARIANTS = {
 
 def loop_bodies(hlo: str) -> list[int]:
   """The instruction count of each ``while`` body computation in compiled HLO text."""
-  counts: dict[str, int] = {}
-  name = None
-  for line in hlo.splitlines():
-    head = re.match(r"^(?:ENTRY )?(%?[\w.\-]+) .*\{$", line.rstrip())
-    if head:
-      name = head.group(1)
-      counts[name] = 0
-    elif name and line.strip() not in ("", "}"):
-      counts[name] += 1
-  return [counts[b] for b in sorted(set(re.findall(r"body=(%?[\w.\-]+)", hlo)))]
+  from fxaccum.diagnostics import _computations  # the project's one HLO parser
+
+  computations, _ = _computations(hlo)
+  bodies = {m.group(1) for body in computations.values() for _, rest in body
+            if (m := re.search(r"body=%?([\w.\-]+)", rest))}
+  return [len(computations[b]) for b in sorted(bodies)]
 
 
 def kernel_ms(compiled, args, calls: int, top: int) -> list[tuple[str, float, float]]:
@@ -100,7 +96,7 @@ def child(k: int, rounds: int, calls: int, profile: bool) -> dict:
   import common  # noqa: F401 - first: XLA_FLAGS before JAX starts
   import jax
   import jax.numpy as jnp
-  from common import environment, layout_mesh, mlp_setup
+  from common import environment, interleaved, layout_mesh, mlp_setup
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
   from methods import plain_scan_value_and_grad
@@ -119,7 +115,6 @@ def child(k: int, rounds: int, calls: int, profile: bool) -> dict:
            "plain scan, sliced in the loop": sliced_in_loop(setup["loss"], k)}
     compiled = {name: jax.jit(fn).lower(*args).compile() for name, fn in fns.items()}
     reference = jax.block_until_ready(compiled["large batch"](*args))[1]
-    times: dict[str, list[float]] = {name: [] for name in compiled}
     for name, fn in compiled.items():
       got = jax.block_until_ready(fn(*args))[1]
       out[name] = {
@@ -128,17 +123,14 @@ def child(k: int, rounds: int, calls: int, profile: bool) -> dict:
           "max_grad_abs_err": max(float(jnp.max(jnp.abs(a - b))) for a, b in
                                   zip(jax.tree.leaves(got), jax.tree.leaves(reference),
                                       strict=True))}
-    for _ in range(rounds):  # in turns: load from elsewhere falls on all three alike
-      for name, fn in compiled.items():
-        start = time.perf_counter()
-        for _ in range(calls):
-          result = fn(*args)
-        jax.block_until_ready(result)
-        times[name].append((time.perf_counter() - start) * 1e3 / calls)
-    for name in compiled:
-      out[name]["ms_per_call"] = {"median": round(statistics.median(times[name]), 4),
-                                  "min": round(min(times[name]), 4),
-                                  "max": round(max(times[name]), 4)}
+    # ``calls`` calls per timed run, waited for once: the loop's own time, not dispatch.
+    timed = interleaved({name: lambda fn=fn: [fn(*args) for _ in range(calls)][-1]
+                         for name, fn in compiled.items()}, rounds, warmups=3)
+    for name, (_, times, _) in timed.items():
+      per_call = [t / calls for t in times]
+      out[name]["ms_per_call"] = {"median": round(statistics.median(per_call), 4),
+                                  "min": round(min(per_call), 4),
+                                  "max": round(max(per_call), 4)}
       if profile and name != "large batch":  # device time per kernel
         out[name]["kernels"] = kernel_ms(compiled[name], args, calls, top=8)
   return out
@@ -146,8 +138,8 @@ def child(k: int, rounds: int, calls: int, profile: bool) -> dict:
 
 def run_variant(name: str, argv: list[str]) -> dict:
   precision, flags = VARIANTS[name]
-  env = {name: value for name, value in os.environ.items()
-         if name != "JAX_DEFAULT_MATMUL_PRECISION"}
+  env = {key: value for key, value in os.environ.items()
+         if key != "JAX_DEFAULT_MATMUL_PRECISION"}
   if precision:
     env["JAX_DEFAULT_MATMUL_PRECISION"] = precision
   env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS", ""), flags,
@@ -168,16 +160,15 @@ def main() -> None:
   parser.add_argument("--out", default="benchmarks/results/one_device.json")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   args = parser.parse_args()
+  from common import write_json  # imports JAX: each variant's own JAX runs in --child
+
   shared = ["--k", str(args.k), "--rounds", str(args.rounds), "--calls", str(args.calls),
             *(["--profile"] if args.profile else [])]
   if args.child:
-    with open(args.child, "w") as f:
-      json.dump(child(args.k, args.rounds, args.calls, args.profile), f, indent=2)
+    write_json(args.child, child(args.k, args.rounds, args.calls, args.profile))
     return
   results = {name: run_variant(name, shared) for name in args.variants.split(",")}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(results, f, indent=2)
+  write_json(args.out, results)
   first = next(iter(results.values()))
   methods = [m for m, figures in first.items() if isinstance(figures, dict) and
              "ms_per_call" in figures]
