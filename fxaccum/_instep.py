@@ -1300,8 +1300,11 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
 
   def body(carry, index):
     sums_carry, old_state = carry
+    # A jaxpr output that is a literal (a Python number in the aux) comes back as one.
+    outs = [x if isinstance(x, jax.Array) else jnp.asarray(x)
+            for x in traced_step(*jax.tree.leaves((whole, index, old_state)))]
     (loss_total, (loss_weight, aux_values, state, sown)), grad_values = jax.tree.unflatten(
-        out_def, traced_step(*jax.tree.leaves((whole, index, old_state))))
+        out_def, outs)
     # This device's (or, global view, the micro-batch's) gradient, before any reduction.
     sq_norm = _sq_norm(grad_values) if config.noise_scale else 0.0
     if any(gather_dims) and not per_use:  # local gradients, reduce-scattered in buckets

@@ -22,6 +22,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import fxaccum
+from fxaccum import diagnostics
 
 SEQ = {"x": P("data", "seq"), "y": P("data", "seq"), "mask": P("data", "seq")}
 # name: (mesh shape, axis names, param specs, batch specs)
@@ -196,6 +197,34 @@ def test_keyword_arguments_reach_fun_as_given():
       params, data, double=True)
   assert_tree_close(eager, ref)
   assert_tree_close(jitted, ref)
+
+
+@pytest.mark.parametrize("with_rows", [False, True], ids=["device_view", "global_view"])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=lambda t: t.name)
+def test_python_numbers_in_the_aux_are_averaged_like_arrays(axis_type, with_rows):
+  """jax.value_and_grad passes a Python int / float / bool aux through; fxaccum averages it
+  over the micro-batches like any plain aux leaf (it used to raise "'TypedInt' object has
+  no attribute 'astype'" from inside its loop). The row count makes the aux depend on the
+  batch, which takes the global view."""
+  k = 2
+  data, params = make_data(k=k), make_params()
+
+  def loss(p, b):
+    aux = {"scale": 1.5, "flag": True}
+    return example_mean_loss(p, b), {**aux, "rows": b["x"].shape[0]} if with_rows else aux
+
+  mesh = mesh_of((4,), ("data",), axis_type)
+  with jax.set_mesh(mesh):
+    step = jax.jit(fxaccum.value_and_grad(loss, has_aux=True, micro_batches=k))
+    args = (put(params, mesh, {}), put(data, mesh, DATA))
+    (value, aux), grads = step(*args)
+    (path,) = diagnostics.paths(step, *args)
+  assert path.view == ("global" if with_rows else "device")
+  assert_tree_close((value, grads), jax.value_and_grad(example_mean_loss)(params, data))
+  expected = {"scale": 1.5, "flag": 1.0, **({"rows": data["x"].shape[0] // k} if with_rows
+                                            else {})}
+  assert_tree_close(aux, expected)
+  assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(aux))
 
 
 def test_bf16_weights_are_counted_exactly():
