@@ -908,10 +908,10 @@ def _analyses(config: _Config, layout: sync.Layout, call: _Call, paired: bool):
     (symbol,) = jax.export.symbolic_shape("rows")
     traced: Any
     try:
-      with _symbolic.undecided_equalities() as undecided:
+      with _symbolic.undecided_uses() as undecided:
         traced = jax.make_jaxpr(step, return_shape=True)(
             per_device(leaves), per_device(micro, symbol), per_device(call.state))
-      if undecided:  # e.g. `if x.shape[0] == 2`: this trace is not the program on 2 rows
+      if undecided:  # e.g. `if x.shape[0] == 2`, `if n % 2`: not the program on 2 rows
         traced = None
     except Exception:  # noqa: BLE001 - not traceable for any number of rows: pair two
       traced = None

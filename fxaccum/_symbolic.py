@@ -1,11 +1,14 @@
-"""Watching a trace with symbolic sizes for the comparisons JAX answers without deciding.
+"""Watching a trace with symbolic sizes for the answers it gives Python without deciding.
 
-``jax.export`` answers ``==`` / ``!=`` between a symbolic size and a number it cannot
-decide with "not equal", silently (its documented unsoundness; ``<`` and ``>`` raise
-instead). The view analysis traces a loss with a symbolic number of rows so that its proof
-holds for every number of rows; a loss that branches on ``x.shape[0] == 2`` breaks that
-silently, and :func:`undecided_equalities` lets the analysis see it and trust the trace no
-further.
+The view analysis traces a loss with a symbolic number of rows so that its proof holds for
+every number of rows. That holds only where the loss's Python code takes the same path for
+the symbolic size as for every concrete one, and a symbolic size answers some questions
+silently where a number would answer otherwise: ``==`` / ``!=`` that ``jax.export`` cannot
+decide is "not equal" (its documented unsoundness), every size is true (``if n % 2:``), a
+dict or set finds no int key for it (``{4: 2.0}.get(n)``), and its text is a formula. A
+comparison JAX cannot decide (``<``) and ``int(n)`` raise instead, which a ``try`` may
+catch. :func:`undecided_uses` lets the analysis see each of these and trust the trace no
+further. What it cannot see is a type test (``isinstance(n, int)``): docs/instep.md says so.
 """
 
 from __future__ import annotations
@@ -21,21 +24,18 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["undecided_equalities"]
+__all__ = ["undecided_uses"]
 
 
 @contextlib.contextmanager
-def undecided_equalities() -> Iterator[list[str]]:
-  """Records, in the yielded list, each ``==`` / ``!=`` on a symbolic size that code
-  outside JAX makes in this thread during the block and that JAX cannot decide.
+def undecided_uses() -> Iterator[list[str]]:
+  """Records, in the yielded list, each use of a symbolic size by code outside JAX in this
+  thread during the block whose answer may differ from a number's: an undecided ``==`` /
+  ``!=``, truth value, hash, text, and a comparison or ``int()`` that raised.
 
-  JAX answers such a comparison "not equal" without raising (jax.export's documented
-  unsoundness): ``if x.shape[0] == 2: ...`` in a loss traced with a symbolic number of
-  rows takes the other branch, so that trace is not the program that runs on 2 rows, and
-  a proof on it proves nothing there. JAX's own comparisons (shape checks, broadcasting)
-  are left out: they are written for symbolic sizes. Where JAX's shape module is not the
-  one this was written for, every block records one entry (the caller then trusts no
-  symbolic trace).
+  JAX's own uses (shape checks, broadcasting, caches) are left out: they are written for
+  symbolic sizes. Where JAX's shape module is not the one this was written for, every
+  block records one entry (the caller then trusts no symbolic trace).
   """
   found: list[str] = []
   dim_expr = _dim_expr_class()
@@ -43,24 +43,57 @@ def undecided_equalities() -> Iterator[list[str]]:
     found.append("jax.export's symbolic sizes could not be watched")
     yield found
     return
-  with _EQUALITY_LOCK:
+  with _LOCK:
     if not _RECORDERS:
-      _ORIGINAL_EQ.setdefault("eq", dim_expr.__eq__)
-      dim_expr.__eq__ = _recording_eq
+      for name, check in _CHECKS.items():
+        original = vars(dim_expr).get(name, _DEFAULTS.get(name))
+        _ORIGINALS[name] = vars(dim_expr).get(name)
+        setattr(dim_expr, name, _watched(name, original, check))
     _RECORDERS[threading.get_ident()] = found
   try:
     yield found
   finally:
-    with _EQUALITY_LOCK:
+    with _LOCK:
       del _RECORDERS[threading.get_ident()]
       if not _RECORDERS:
-        dim_expr.__eq__ = _ORIGINAL_EQ["eq"]
+        for name, original in _ORIGINALS.items():
+          if original is None:
+            delattr(dim_expr, name)
+          else:
+            setattr(dim_expr, name, original)
 
 
-_EQUALITY_LOCK = threading.Lock()
+def _undecided_equality(expr: Any, args: tuple[Any, ...], result: Any) -> bool:
+  """Whether ``expr == other`` answered "not equal" without deciding."""
+  (other,) = args
+  if result:
+    return False
+  if jax.export.is_symbolic_dim(other):
+    if getattr(expr, "scope", None) is not getattr(other, "scope", None):
+      return False
+  elif not isinstance(other, (int, np.integer)):
+    return False
+  return jax.export.is_symbolic_dim(expr - other)
+
+
+def _always(expr: Any, args: tuple[Any, ...], result: Any) -> bool:
+  return True
+
+
+def _never(expr: Any, args: tuple[Any, ...], result: Any) -> bool:
+  return False  # decided answers are sound; only a raise (caught by the caller) is recorded
+
+
+# Watched methods: which answers to record (a raise always is).
+_CHECKS: dict[str, Callable[[Any, tuple[Any, ...], Any], bool]] = {
+    "__eq__": _undecided_equality, "__bool__": _always, "__hash__": _always,
+    "__str__": _always, "__repr__": _always, "__int__": _never, "__lt__": _never,
+    "__le__": _never, "__gt__": _never, "__ge__": _never}
+_DEFAULTS: dict[str, Callable[..., Any]] = {"__bool__": lambda self: True}  # object's own
+_LOCK = threading.Lock()
 _RECORDERS: dict[int, list[str]] = {}  # thread -> its block's findings
-_ORIGINAL_EQ: dict[str, Callable[..., bool]] = {}  # JAX's own, kept once
-_CHECKING = threading.local()  # inside _recording_eq's own check (no recursion)
+_ORIGINALS: dict[str, Any] = {}  # JAX's own methods (None: inherited), while watched
+_CHECKING = threading.local()  # inside a check (JAX's arithmetic): no recursion
 _JAX_DIR = os.path.dirname(jax.__file__) + os.sep
 
 
@@ -73,32 +106,49 @@ def _dim_expr_class() -> Any:
   return cls if cls is not None and "__eq__" in vars(cls) else None
 
 
-def _recording_eq(self: Any, other: Any) -> bool:
-  equal = _ORIGINAL_EQ["eq"](self, other)
-  found = _RECORDERS.get(threading.get_ident())
-  if equal or found is None or getattr(_CHECKING, "active", False):
-    return equal
+def _watched(name: str, original: Callable[..., Any],
+             check: Callable[[Any, tuple[Any, ...], Any], bool]) -> Callable[..., Any]:
+  def method(self: Any, *args: Any) -> Any:
+    found = _RECORDERS.get(threading.get_ident())
+    if found is None or getattr(_CHECKING, "active", False):
+      return original(self, *args)
+    caller = _caller_outside_jax(sys._getframe(1))
+    if caller is None:
+      return original(self, *args)
+    try:
+      result = original(self, *args)
+    except Exception:
+      found.append(f"{_where(caller)}: {name} of {_text(self)} raised")
+      raise
+    _CHECKING.active = True
+    try:
+      undecided = check(self, args, result)
+    finally:
+      _CHECKING.active = False
+    if undecided:
+      found.append(f"{_where(caller)}: {name} of {_text(self)}")
+    return result
+
+  return method
+
+
+def _caller_outside_jax(frame: types.FrameType | None) -> types.FrameType | None:
+  """The frame that used the size, or None where JAX did (``x != n`` calls ``x == n``)."""
+  while frame is not None and frame.f_code.co_name == "__ne__" and (
+      frame.f_code.co_filename.startswith(_JAX_DIR)):
+    frame = frame.f_back
+  if frame is None or frame.f_code.co_filename.startswith(_JAX_DIR):
+    return None
+  return frame
+
+
+def _where(frame: types.FrameType) -> str:
+  return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _text(expr: Any) -> str:
   _CHECKING.active = True
   try:
-    undecided = _undecided(self, other)
+    return str(expr)
   finally:
     _CHECKING.active = False
-  if not undecided:
-    return equal
-  caller: types.FrameType | None = sys._getframe(1)
-  while caller is not None and caller.f_code.co_name == "__ne__" and (
-      caller.f_code.co_filename.startswith(_JAX_DIR)):  # x != n calls x == n
-    caller = caller.f_back
-  if caller is not None and not caller.f_code.co_filename.startswith(_JAX_DIR):
-    found.append(f"{caller.f_code.co_filename}:{caller.f_lineno}: {self} == {other}")
-  return equal
-
-
-def _undecided(expr: Any, other: Any) -> bool:
-  """Whether ``expr == other`` (answered "not equal") is really undecidable."""
-  if jax.export.is_symbolic_dim(other):
-    if getattr(expr, "scope", None) is not getattr(other, "scope", None):
-      return False
-  elif not isinstance(other, (int, np.integer)):
-    return False
-  return jax.export.is_symbolic_dim(expr - other)

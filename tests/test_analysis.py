@@ -267,17 +267,20 @@ def test_a_rule_that_cannot_read_its_equation_falls_back_to_the_global_view(monk
   assert_tree_close(got, micro_reference(loss, w, x, 4, summed=False), rtol=2e-5)
 
 
-def test_undecided_equalities_records_the_loss_comparisons_not_jaxs():
-  """A loss's `x.shape[0] == 2` on a symbolic size is recorded (JAX answers it "not
-  equal" silently); JAX's own shape checks (broadcasting, mean, one_hot) are not; JAX's
-  comparison is restored afterwards."""
+def test_undecided_uses_records_the_loss_uses_not_jaxs():
+  """What a loss asks a symbolic size in Python and a number would answer otherwise is
+  recorded: an undecided `x.shape[0] == 2` / `!= 3` (JAX answers "not equal"), a truth
+  value (`n % 2` is always true), a hash (`{4: 2.0}.get(n)` finds nothing), its text, an
+  `int(n)` that raised; JAX's own shape checks (broadcasting, mean, one_hot) are not, and
+  JAX's methods are restored afterwards."""
   from jax._src.export import shape_poly
 
   from fxaccum import _symbolic
 
   (rows,) = jax.export.symbolic_shape("rows")
   x = jax.ShapeDtypeStruct((rows, 4), jnp.float32)
-  original = shape_poly._DimExpr.__eq__
+  methods = ("__eq__", "__bool__", "__hash__", "__int__", "__str__", "__lt__")
+  originals = {name: vars(shape_poly._DimExpr).get(name) for name in methods}
 
   def internal_only(x):
     return jnp.mean(jax.nn.one_hot(jnp.argmax(x, -1), 4) * x[:, :1] + x.mean(0))
@@ -285,11 +288,23 @@ def test_undecided_equalities_records_the_loss_comparisons_not_jaxs():
   def compares(x):
     return jnp.sum(x) if x.shape[0] == 2 or x.shape[0] != 3 else jnp.mean(x)
 
-  with _symbolic.undecided_equalities() as internal:
+  def asks(x):
+    n = x.shape[0]
+    try:
+      int(n)
+    except Exception:  # noqa: BLE001 - the loss's own fallback, taken only when symbolic
+      pass
+    return jnp.sum(x) * (2.0 if n % 2 else 1.0) * {4: 2.0}.get(n, 1.0) * (f"{n}" == "4")
+
+  with _symbolic.undecided_uses() as internal:
     jax.make_jaxpr(jax.grad(internal_only))(x)
-  with _symbolic.undecided_equalities() as found:
+  with _symbolic.undecided_uses() as compared:
     jax.make_jaxpr(compares)(x)
+  with _symbolic.undecided_uses() as asked:
+    jax.make_jaxpr(asks)(x)
   assert internal == []
-  assert len(found) == 2 and all("test_analysis.py" in f for f in found), found
-  assert shape_poly._DimExpr.__eq__ is original
-  assert (rows == 2) is False  # JAX's own answer, unchanged
+  assert len(compared) == 2 and all("test_analysis.py" in f for f in compared), compared
+  assert {f.split(": ")[1].split(" ")[0] for f in asked} == {
+      "__int__", "__bool__", "__hash__", "__str__"}, asked
+  assert {name: vars(shape_poly._DimExpr).get(name) for name in methods} == originals
+  assert (rows == 2) is False and bool(rows % 2)  # JAX's own answers, unchanged

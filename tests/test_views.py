@@ -274,11 +274,39 @@ def where_on_equality(w, x):
   return jnp.where(x.shape[0] == 2, 2.0, 1.0) * jnp.mean((x @ w) ** 2)
 
 
-@pytest.mark.parametrize("loss", [branch_on_equality, branch_on_inequality, where_on_equality])
-def test_a_loss_that_compares_the_row_count_is_exact(loss):
-  """JAX answers an undecidable `rows == 2` on a symbolic size "not equal": the symbolic
-  trace took the mean branch, the per-device program (2 rows) the sum. Before the trace
-  watched for such comparisons, the device view came back 2x the reference."""
+def branch_on_truth(w, x):
+  return jnp.mean((x @ w) ** 2) * (2.0 if x.shape[0] % 4 else 1.0)  # a symbolic size: true
+
+
+def lookup_by_rows(w, x):
+  return jnp.mean((x @ w) ** 2) * {2: 2.0}.get(x.shape[0], 1.0)  # a symbolic key: missing
+
+
+def member_of_a_set(w, x):
+  return jnp.mean((x @ w) ** 2) * (2.0 if x.shape[0] in {2} else 1.0)
+
+
+def caught_conversion(w, x):
+  try:
+    rows = int(x.shape[0])
+  except Exception:  # noqa: BLE001 - raised for a symbolic size only
+    rows = None
+  return jnp.sum((x @ w) ** 2) if rows == 2 else jnp.mean((x @ w) ** 2)
+
+
+def branch_on_text(w, x):
+  return jnp.mean((x @ w) ** 2) * (2.0 if f"{x.shape[0]}" == "2" else 1.0)
+
+
+@pytest.mark.parametrize("loss", [branch_on_equality, branch_on_inequality, where_on_equality,
+                                  branch_on_truth, lookup_by_rows, member_of_a_set,
+                                  caught_conversion, branch_on_text])
+def test_a_loss_that_asks_the_row_count_is_exact(loss):
+  """A symbolic size answers some of Python's questions without deciding: `rows == 2` is
+  "not equal", `rows % 4` is true, `{2: ...}` has no key `rows`, `int(rows)` raises, its
+  text is "rows". The symbolic trace then took another branch than the per-device program
+  (2 rows); before the trace watched for such uses, the device view came back 2x (or 4x)
+  the reference."""
   rng = np.random.default_rng(4)
   x = rng.normal(size=(64, 4)).astype(np.float32)
   mesh = mesh_of((8,), ("data",), AxisType.Auto)
