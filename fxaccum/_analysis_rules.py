@@ -142,6 +142,10 @@ def _exp_of(eqn, kinds) -> Exp:
     return None if a.exp is None or b.exp is None else a.exp - b.exp
   if name == "integer_pow":
     return None if kinds[0].exp is None else kinds[0].exp * eqn.params["y"]
+  if name == "convert_element_type" and _lossy_cast(eqn):
+    if eqn.params["new_dtype"] == jnp.bool_:  # x != 0: positive factors keep it
+      return 0.0 if kinds[0].exp is not None else None
+    return 0.0 if kinds[0].exp == 0 else None  # truncation: int(0.3 * n) is no power of n
   if name in _SAME:
     return common_exp(kinds)
   if name in _SCALE_FREE:  # positive factors of D do not change the outcome
@@ -178,7 +182,17 @@ def elementwise(w: _Walker, eqn, kinds: list[Kind]) -> list[Kind]:
   fold = _FOLD.get(eqn.primitive.name)
   values = [getattr(k, "value", None) for k in kinds]  # Const kinds here
   value = fold(*values) if fold and None not in values else None
+  if value is not None and eqn.primitive.name == "convert_element_type":
+    value = _cast(value, eqn.params["new_dtype"])
   return [Const(_const_uniform(kinds, eqn), value, exp)] * len(eqn.outvars)
+
+
+def _cast(value: float, dtype: Any) -> float | None:
+  """A known value cast like ``convert_element_type`` casts it (``int(2.4)`` is 2)."""
+  try:
+    return float(np.asarray(value).astype(dtype))
+  except (TypeError, ValueError, OverflowError):
+    return None
 
 
 def _linear(eqn, kinds: list[Kind], exp: Exp) -> Stat:
@@ -196,6 +210,8 @@ def _linear(eqn, kinds: list[Kind], exp: Exp) -> Stat:
   def nonlinear(what):
     return Stat(inherited or with_place(eqn, what), exp)
 
+  if name == "convert_element_type" and _lossy_cast(eqn):
+    return nonlinear(f"casts a batch statistic to {jnp.dtype(eqn.params['new_dtype'])}")
   if name in ("convert_element_type", "copy", "reduce_precision", "stop_gradient",
               "real", "imag", "conj"):
     monotone = name in ("copy", "reduce_precision", "stop_gradient") or (
@@ -230,6 +246,14 @@ def _linear(eqn, kinds: list[Kind], exp: Exp) -> Stat:
   return nonlinear(f"applies {name} to a batch statistic")
 
 
+def _lossy_cast(eqn) -> bool:
+  """Whether a cast is no scaling-preserving map: to a bool, or from a non-integer to an
+  integer (truncation)."""
+  source, target = eqn.invars[0].aval.dtype, jnp.dtype(eqn.params["new_dtype"])
+  return target == jnp.bool_ or (jnp.issubdtype(target, jnp.integer)
+                                 and not jnp.issubdtype(source, jnp.integer))
+
+
 def _to_real_float(eqn) -> bool:
   """Whether a cast is monotone (keeps a maximum one): from a real number to a float (not
   to a bool or an integer, which wrap or saturate)."""
@@ -250,10 +274,18 @@ _EXTREMES = {"reduce_max": "max", "reduce_min": "min"}
 _SIZE_FREE_REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_and", "reduce_or"})
 
 
+def _index_exp(kind: Kind) -> Exp:
+  """The exponent of an index into ``kind`` (argmax, top_k's positions): a positive factor
+  picks the same one, any other dependence on the rows may not."""
+  return 0.0 if kind.exp is not None else None
+
+
 def _reduction(linear: bool):
   def rule(w: _Walker, eqn, kinds):
     kind = kinds[0]
     name = eqn.primitive.name
+    if name in ("argmax", "argmin") and kind.exp != _index_exp(kind):
+      kind = dataclasses.replace(kind, exp=_index_exp(kind))
     axes = set(eqn.params["axes"])
     scaled = w.scaled_dims(eqn, 0) & axes
     if isinstance(kind, Const):
@@ -401,6 +433,9 @@ def _along_batch(what: str, acted: Callable[[Any], set[int]]):
       if scaled - {kind.dim}:
         ok = False
       mixed = kind.mixed or (None if ok else with_place(eqn, f"{what} along the batch axis"))
+      if name == "top_k":  # the values, and their positions
+        return [Rows(kind.dim, mixed, kind.exp, order),
+                Rows(kind.dim, mixed, _index_exp(kind), order)]
       return [Rows(kind.dim, mixed, kind.exp, order)] * outs
     if isinstance(kind, Stat):
       ok = (name in linear_ops and all(isinstance(k, Const) for k in rest)
@@ -414,8 +449,10 @@ def _along_batch(what: str, acted: Callable[[Any], set[int]]):
         exp = common_exp(kinds) if exp is not None else None
         if value is None or rest[0].value != value:
           uniform, value = uniform - dims, None
-      elif name == "top_k":
+      elif name == "top_k":  # the values, and their positions (no known value)
         uniform = uniform - dims
+        return [Const(uniform, value, exp),
+                Const(uniform, None, None if exp is None else 0.0)]
       return [Const(uniform, value, exp)] * outs
     return [Top(with_place(eqn, f"{what} indexed by batch values"))] * outs
   return rule
@@ -605,9 +642,11 @@ def _scatter(w: _Walker, eqn, kinds):
   scaled = w.scaled_dims(eqn, 0)
   moves = _index_changes(w, [indices])
   if all(isinstance(k, Const) for k in kinds):
-    # Along a dimension whose size follows the rows the window must be whole.
+    # Along a dimension whose size follows the rows the window must be whole, and the
+    # number of updates must not follow them (counts: segment_sum(ones(n), ids)).
     whole = {d for u, d in window.items() if upd_shape[u] == op_shape[d]}
-    moved = scaled - whole
+    moved = (scaled - whole) | (w.scaled_dims(eqn, 2) & set(upd_scatter)) | (
+        w.scaled_dims(eqn, 1) & set(idx_batch))
     uniform = {d for u, d in window.items()
                if d in whole and d in operand.uniform and (
                    u in updates.uniform or updates.value is not None)}
@@ -889,6 +928,9 @@ def _scan_over_rows(w: _Walker, eqn, kinds, body_sources):
   body = p["jaxpr"]
   if not all(_accumulates(body.jaxpr, i, n_consts, n_carry) for i in range(n_carry)):
     return [Top(what)] * outs
+  if any(_read_while_it_grows(body.jaxpr, i, n_consts) for i in range(n_carry)):
+    return [Top(with_place(eqn, "a loop over the examples that reads a running total (e.g. "
+                           "an example counter): each example sees another value"))] * outs
   if any(isinstance(k, Rows) and k.dim != 0 for k in kinds[n_consts + n_carry:]):
     return [Top(with_place(eqn, "a scan over the batch axis"))] * outs
   partner = w.partners.get(id(eqn))
@@ -905,8 +947,11 @@ def _scan_over_rows(w: _Walker, eqn, kinds, body_sources):
     except Unpaired:
       return [Top(what)] * outs
     w.partners[("closed", id(mapped))] = theirs
-  zero = Const(value=0.0)  # the carries, seen from one step: what it adds to them
-  in_kinds = [*kinds[:n_consts], *([zero] * n_carry), *kinds[n_consts + n_carry:]]
+  # The carries, seen from one step: what it adds to them, or (passed through) their value.
+  zero = Const(value=0.0)
+  carried = [init if body.jaxpr.outvars[i] is body.jaxpr.invars[n_consts + i] else zero
+             for i, init in enumerate(kinds[n_consts:n_consts + n_carry])]
+  in_kinds = [*kinds[:n_consts], *carried, *kinds[n_consts + n_carry:]]
   got = _inner(w, mapped, in_kinds, body_sources)
   carry = []
   for init, step in zip(kinds[n_consts:n_consts + n_carry], got[:n_carry], strict=True):
@@ -936,6 +981,17 @@ def _accumulates(jaxpr, i: int, n_consts: int, n_carry: int) -> bool:
     if any(not isinstance(v, jcore.Literal) and v in reached for v in e.invars):
       reached.update(e.outvars)
   return isinstance(others[0], jcore.Literal) or others[0] not in reached
+
+
+def _read_while_it_grows(jaxpr, i: int, n_consts: int) -> bool:
+  """Whether carry ``i`` of a scan body changes from step to step and is read by anything
+  but the addition that grows it (an output per iteration, say: ``v * 0.9 ** count``)."""
+  carry_in = jaxpr.invars[n_consts + i]
+  out = jaxpr.outvars[i]
+  if out is carry_in:
+    return False
+  reads = [e for e in jaxpr.eqns if carry_in in e.invars and out not in e.outvars]
+  return bool(reads) or any(v is carry_in for v in jaxpr.outvars)
 
 
 def _vmapped(body, n_consts: int, n_carry: int, length: int):

@@ -88,6 +88,10 @@ CASES = {
     "mean_of_example_sums": (lambda w, b, key: jnp.mean(jnp.sum(b["x"] @ w, axis=1)),
                              "device"),
     "max_over_the_batch": (lambda w, b, key: jnp.max(per_example(w, b)), "global"),
+    # Each example sees the count of those before it (the analysis once saw the running
+    # total as 0 in every step: 2x off, in the device view).
+    "scan_with_an_example_counter": (lambda w, b, key: jnp.mean(jax.lax.scan(
+        lambda c, v: (c + 1.0, v * 0.9 ** c), 0.0, per_example(w, b))[1]), "global"),
 }
 
 
@@ -171,6 +175,17 @@ SIZE_DEPENDENT = {
     # row count's scaling through unchanged, took this for a mean and was 0.65 wrong.
     "sum_over_sqrt_n_by_an_unknown_op": lambda w, x: jnp.sum(_per_row(w, x)) / jnp.linalg.cholesky(
         jnp.full((1, 1), x.shape[0], jnp.float32))[0, 0],
+    # Each of these took the device view once, 0.125-0.875 off (an adversarial sweep):
+    # argmax's index took the scaling of x / n, a count of the rows by segment_sum was
+    # taken for a constant, int(0.3 * n) for 0.3 * n, and top_k's positions of zeros for 0.
+    "argmax_of_values_over_n": lambda w, x: jnp.sum(
+        _per_row(w, x) * jnp.argmax(x / x.shape[0], axis=1)),
+    "rows_counted_by_segment_sum": lambda w, x: jnp.mean(_per_row(w, x)) * jnp.sum(
+        jax.ops.segment_sum(jnp.ones(x.shape[0]), jnp.arange(x.shape[0]) % 2, 2)),
+    "sum_over_an_integer_cast_of_a_count": lambda w, x: jnp.sum(_per_row(w, x)) / (
+        jnp.ones(x.shape[0]).sum() * 0.3).astype(jnp.int32),
+    "a_position_from_top_k_added_to_a_sum": lambda w, x: jnp.sum(_per_row(w, x)) + (
+        jax.lax.top_k(jnp.zeros(4), 4)[1][3].astype(jnp.float32)),
 }
 
 
@@ -195,9 +210,15 @@ PER_EXAMPLE = {
     "sum_of_the_reversed_batch": lambda w, x: jnp.mean(_per_row(w, x)[::-1]),
     "dot_with_numpy_weights": lambda w, x: jnp.dot(
         _per_row(w, x), np.full(x.shape[0], 1.0 / x.shape[0], np.float32)),
+    # Positions and casts within each example stay per-example (the fixes above keep these).
+    "argmax_within_examples": lambda w, x: jnp.mean(_per_row(w, x) * jnp.argmax(x, axis=1)),
+    "top_k_values_and_positions_within_examples": lambda w, x: jnp.mean(
+        jnp.sum(jax.lax.top_k(x @ w, 2)[0], -1) * jax.lax.top_k(x @ w, 2)[1][:, 0]),
+    "integer_labels_from_a_cast": lambda w, x: jnp.mean(
+        _per_row(w, x) * (x[:, 0] > 0).astype(jnp.int32)),
 }
 SUMMED = {"mean_with_loss_reduction_sum", "sum_with_loss_reduction_sum",
-          "sum_over_a_global_count"}
+          "sum_over_a_global_count", "a_position_from_top_k_added_to_a_sum"}
 KS = (1, 2, 4)
 
 
