@@ -247,11 +247,11 @@ def _linear(eqn, kinds: list[Kind], exp: Exp) -> Stat:
 
 
 def _lossy_cast(eqn) -> bool:
-  """Whether a cast is no scaling-preserving map: to a bool, or from a non-integer to an
-  integer (truncation)."""
+  """Whether a cast is no scaling-preserving map: to a bool, or to an integer type that
+  does not hold every value of the source (truncation, wrapping)."""
   source, target = eqn.invars[0].aval.dtype, jnp.dtype(eqn.params["new_dtype"])
   return target == jnp.bool_ or (jnp.issubdtype(target, jnp.integer)
-                                 and not jnp.issubdtype(source, jnp.integer))
+                                 and not np.can_cast(source, target, "safe"))
 
 
 def _to_real_float(eqn) -> bool:
@@ -274,6 +274,19 @@ _EXTREMES = {"reduce_max": "max", "reduce_min": "min"}
 _SIZE_FREE_REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_and", "reduce_or"})
 
 
+# Ops whose result is no power-of-D rescaling of a scaled operand (a product of n factors,
+# a log-sum-exp): such an operand's exponent becomes None.
+_NOT_SCALING = frozenset({"reduce_prod", "reduce_xor", "cumprod", "cumlogsumexp",
+                          "reduce_window"})
+
+
+def _rescaled(eqn, kind: Kind) -> Kind:
+  """``kind`` as an operand of ``eqn``: with no exponent where ``eqn`` does not rescale."""
+  if eqn.primitive.name in _NOT_SCALING and kind.exp != 0 and kind.exp is not None:
+    return dataclasses.replace(kind, exp=None)
+  return kind
+
+
 def _index_exp(kind: Kind) -> Exp:
   """The exponent of an index into ``kind`` (argmax, top_k's positions): a positive factor
   picks the same one, any other dependence on the rows may not."""
@@ -282,7 +295,7 @@ def _index_exp(kind: Kind) -> Exp:
 
 def _reduction(linear: bool):
   def rule(w: _Walker, eqn, kinds):
-    kind = kinds[0]
+    kind = _rescaled(eqn, kinds[0])
     name = eqn.primitive.name
     if name in ("argmax", "argmin") and kind.exp != _index_exp(kind):
       kind = dataclasses.replace(kind, exp=_index_exp(kind))
@@ -322,7 +335,7 @@ def _reduction(linear: bool):
 
 
 def _cumulative(w: _Walker, eqn, kinds):
-  (kind,) = kinds
+  kind = _rescaled(eqn, kinds[0])
   axis = eqn.params["axis"]
   scaled = axis in w.scaled_dims(eqn, 0)
   if isinstance(kind, Const):
@@ -332,8 +345,8 @@ def _cumulative(w: _Walker, eqn, kinds):
       return dataclasses.replace(kind, mixed=kind.mixed or with_place(
           eqn, "a cumulative op along the batch axis"))
     return kind
-  if eqn.primitive.name == "cumsum":
-    return kind
+  if eqn.primitive.name == "cumsum":  # sums of a statistic, no longer its extreme
+    return dataclasses.replace(kind, extreme=None)
   return Stat(kind.mixed or with_place(eqn, "a cumulative op of a statistic"), kind.exp)
 
 
@@ -440,6 +453,9 @@ def _along_batch(what: str, acted: Callable[[Any], set[int]]):
     if isinstance(kind, Stat):
       ok = (name in linear_ops and all(isinstance(k, Const) for k in rest)
             and not moves and not scaled)
+      if name == "pad":  # the padding must add up over devices like the statistic
+        ok = ok and (rest[0].value == 0 or (
+            kind.exp is not None and rest[0].exp == kind.exp + 1))
       return [Stat(kind.mixed or (None if ok else with_place(eqn, f"{what} of a statistic")),
                    kind.exp)] * outs
     if all(isinstance(k, Const) for k in kinds):
@@ -604,6 +620,8 @@ def _gather(w: _Walker, eqn, kinds):
   if isinstance(indices, Rows):
     if indices.dim == len(idx_shape) - 1:
       return Top(with_place(eqn, "a gather whose index vectors run along the batch axis"))
+    if indices.exp != 0:
+      mixed = mixed or with_place(eqn, "a gather at positions that follow the number of rows")
     dim = batch_out[idx_dims.index(indices.dim)]
     if isinstance(operand, Const):  # a lookup (embedding) per example
       if scaled_selected - operand.uniform:
@@ -640,7 +658,7 @@ def _scatter(w: _Walker, eqn, kinds):
   window = dict(zip(dn.update_window_dims, window_op_dims, strict=True))  # updates -> operand
   upd_scatter = [d for d in range(len(upd_shape)) if d not in dn.update_window_dims]
   scaled = w.scaled_dims(eqn, 0)
-  moves = _index_changes(w, [indices])
+  moves = _index_changes(w, [indices]) or (isinstance(indices, Rows) and indices.exp != 0)
   if all(isinstance(k, Const) for k in kinds):
     # Along a dimension whose size follows the rows the window must be whole, and the
     # number of updates must not follow them (counts: segment_sum(ones(n), ids)).
@@ -724,7 +742,7 @@ def _conv(w: _Walker, eqn, kinds):
 
 
 def _window(w: _Walker, eqn, kinds):
-  kind = kinds[0]
+  kind = _rescaled(eqn, kinds[0])
   outs = len(eqn.outvars)
   p = eqn.params
   moving = {d for d in range(len(p["window_dimensions"]))
@@ -748,7 +766,9 @@ def _sort(w: _Walker, eqn, kinds):
   axis = eqn.params["dimension"]
   rows = [k for k in kinds if isinstance(k, Rows)]
   outs = len(eqn.outvars)
-  scaled = axis in w.scaled_dims(eqn, 0)
+  # Keys that follow the number of rows (other than as a common factor) reorder the rest.
+  scaled = axis in w.scaled_dims(eqn, 0) or _index_changes(
+      w, [k for k in kinds[:eqn.params["num_keys"]] if isinstance(k, Const)])
   if not rows:
     if all(isinstance(k, Const) for k in kinds):
       return [Const(exp=None if scaled else k.exp) for k in kinds]
@@ -759,7 +779,8 @@ def _sort(w: _Walker, eqn, kinds):
       isinstance(k, Const) and _uniform_at(k, v, out_shape, dim))
       for k, v in zip(kinds, eqn.invars, strict=True))
   mixed = _first_mixed(rows) or _misaligned(eqn, rows)
-  mixed = mixed or (None if ok else with_place(eqn, "a sort along the batch axis"))
+  mixed = mixed or (None if ok else with_place(
+      eqn, "a sort along the batch axis, or by keys that follow the number of rows"))
   return [Rows(dim, mixed, k.exp, rows[0].order) for k in kinds]
 
 
@@ -768,10 +789,11 @@ def _random_keys(w: _Walker, eqn, kinds):
   gives values that depend on the position in the batch."""
   kind = kinds[0]
   outs = len(eqn.outvars)
+  exp = 0.0 if kind.exp == 0 else None  # a key made from the number of rows: other bits
   if isinstance(kind, Const):
-    return [Const()] * outs
+    return [Const(exp=exp)] * outs
   if isinstance(kind, Rows):
-    return [Rows(kind.dim, kind.mixed, 0.0, kind.order)] * outs
+    return [Rows(kind.dim, kind.mixed, exp, kind.order)] * outs
   return [Top(with_place(eqn, "random numbers from a batch statistic"))] * outs
 
 

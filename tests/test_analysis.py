@@ -92,6 +92,16 @@ CASES = {
     # total as 0 in every step: 2x off, in the device view).
     "scan_with_an_example_counter": (lambda w, b, key: jnp.mean(jax.lax.scan(
         lambda c, v: (c + 1.0, v * 0.9 ** c), 0.0, per_example(w, b))[1]), "global"),
+    # A lookup at positions scaled by the number of rows (on an Explicit mesh JAX asks for
+    # the gather's out_sharding, without fxaccum too), and sort keys that follow the number
+    # of rows, which put each example's values in another order.
+    "a_lookup_at_positions_times_n": (lambda w, b, key: jnp.mean(
+        per_example(w, b) * jnp.linspace(0, 1, 16).at[(b["x"][:, 0] > 0).astype(
+            jnp.uint32) * jnp.uint32(b["x"].shape[0])].get(mode="clip")), "global"),
+    "sorted_by_keys_that_follow_n": (lambda w, b, key: jnp.mean(jax.lax.sort((
+        jnp.broadcast_to(jnp.array([0.0, 3.0, 6.0]) - b["x"].shape[0] * jnp.array(
+            [0.0, 0.1, 0.2]), (b["x"].shape[0], OUT)), b["x"] @ w), dimension=1,
+        num_keys=1)[1][:, 0] ** 2), "global"),
 }
 
 
@@ -186,6 +196,20 @@ SIZE_DEPENDENT = {
         jnp.ones(x.shape[0]).sum() * 0.3).astype(jnp.int32),
     "a_position_from_top_k_added_to_a_sum": lambda w, x: jnp.sum(_per_row(w, x)) + (
         jax.lax.top_k(jnp.zeros(4), 4)[1][3].astype(jnp.float32)),
+    # And these (a second sweep, from reading the rules): products and log-sum-exps do not
+    # rescale like their factors, a key folded with n draws other numbers, a padded
+    # statistic adds its padding once per device, positions or sort keys that follow n
+    # pick other elements (the lookup and the sort in CASES), an int8 cast wraps.
+    "a_product_of_row_counts": lambda w, x: jnp.sum(_per_row(w, x)) / jnp.prod(
+        jnp.full((2,), x.shape[0], jnp.float32)),
+    "cumprod_of_values_over_n": lambda w, x: jnp.sum(
+        _per_row(w, x) * jnp.cumprod(x / x.shape[0], axis=1)[:, 1]),
+    "a_key_folded_with_n": lambda w, x: jnp.mean(_per_row(w, x)) * (2 + jax.random.normal(
+        jax.random.fold_in(jax.random.key(0), x.shape[0]), ())),
+    "a_statistic_padded_with_a_constant": lambda w, x: jnp.sum(jnp.pad(
+        jnp.mean(x @ w, 0), (0, 1), constant_values=0.01 * x.shape[0])),
+    "sum_over_an_int8_cast_of_a_count": lambda w, x: jnp.sum(_per_row(w, x)) / (
+        jnp.asarray(x.shape[0], jnp.int32) * 5).astype(jnp.int8).astype(jnp.float32),
 }
 
 

@@ -6,6 +6,8 @@ References are independent of fxaccum: numpy over the whole batch, or the extrem
 the k global micro-batches (rows ``i::k`` of each device's rows) of the leaf's value.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,6 +80,9 @@ NOT_EXTREMA = {  # per device these would be another value than the batch's
     "min_of_max": (lambda x, w: fxaccum.Min(jnp.max(x)), np.max),
     "to_bool": (lambda x, w: fxaccum.Max((jnp.max(x) + 1.5).astype(bool)),
                 lambda m: np.max(m) + 1.5 != 0),
+    # Running sums of per-column maxima: once kept the marker through cumsum (and pmax'd).
+    "cumsum_of_maxima": (lambda x, w: fxaccum.Max(jnp.cumsum(jnp.max(x, axis=0))),
+                         lambda m: np.cumsum(np.max(m, axis=0))),
 }
 
 
@@ -85,7 +90,8 @@ NOT_EXTREMA = {  # per device these would be another value than the batch's
 def test_a_value_that_is_no_extremum_over_examples_takes_the_global_view(name):
   aux_fn, per_micro_batch = NOT_EXTREMA[name]
   x = data(1)
-  combine = np.max if isinstance(aux_fn(x, jnp.ones(DIM)), fxaccum.Max) else np.min
+  extremum = np.max if isinstance(aux_fn(x, jnp.ones(DIM)), fxaccum.Max) else np.min
+  combine = functools.partial(extremum, axis=0)  # elementwise over the micro-batches
   expected = combine([per_micro_batch(m) for m in global_micro_batches(x)])
   aux, view = run(aux_fn, jax.sharding.AxisType.Auto, x)
   assert view == "global"
