@@ -13,6 +13,7 @@ the accumulated gradient, and updated once per step:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from flax.training import dynamic_scale as dynamic_scale_lib
 from jax import lax
 
 from fxaccum import _instep
+from fxaccum._sync import Unreduced
 from fxaccum._weighted import Weighted, all_finite
 
 __all__ = ["DynamicScale", "updated"]
@@ -73,11 +75,27 @@ class DynamicScale(dynamic_scale_lib.DynamicScale):
       return (loss, aux) if has_aux else loss
 
     grad_fn = _instep.value_and_grad(scaled, argnums, has_aux, **options)
+    # The value is the loss alone, or a tuple led by it: (loss, aux[, noise]), (loss, noise).
+    led = has_aux or options.get("skip_nonfinite") or options.get("noise_scale")
+
+    def unscaled(value):
+      if not led:
+        return value / self.scale
+      loss, *rest = value
+      if options.get("noise_scale"):  # squared norms of scaled gradients
+        noise = rest[-1]
+        rest[-1] = noise._replace(small_sq_norm=noise.small_sq_norm / self.scale ** 2,
+                                  big_sq_norm=noise.big_sq_norm / self.scale ** 2)
+      return (loss / self.scale, *rest)
 
     def scaled_grad_fn(*args, **kwargs):
       value, grads = grad_fn(*args, **kwargs)
-      value = (value[0] / self.scale, value[1]) if has_aux else value / self.scale
-      grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) / self.scale, grads)
+      value = unscaled(value)
+      if isinstance(grads, Unreduced):  # per-device sums: their weights are not scaled
+        grads = dataclasses.replace(grads, total=jax.tree.map(
+            lambda g: jnp.asarray(g, jnp.float32) / self.scale, grads.total))
+      else:
+        grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) / self.scale, grads)
       if axis_name is not None:  # pmap (flax's convention): the replicas' mean, then checked
         grads = lax.pmean(grads, axis_name)
       finite = all_finite(grads)

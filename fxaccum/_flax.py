@@ -6,6 +6,7 @@ not calls; ``micro_step`` is the position inside the current window.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -19,6 +20,11 @@ from fxaccum import _transform as transform
 from fxaccum._dynamic_scale import updated
 
 __all__ = ["TrainState", "Optimizer"]
+
+
+def _holds_variables(tree: Any) -> bool:
+  is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+  return any(map(is_variable, jax.tree.leaves(tree, is_leaf=is_variable)))
 
 
 class TrainState(train_state.TrainState):
@@ -113,9 +119,14 @@ class Optimizer(nnx.Optimizer):
       The updates applied to the ``wrt`` variables, as ``nnx.Optimizer.update`` returns
       them: the optimizer's step on a window's last call, zeros on the others.
     """
-    params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+    def pure(tree):  # the wrt variables' values
+      return nnx.as_pure(nnx.state(tree, self.wrt, graph=self.graph))
+
+    params = pure(model)
     if not isinstance(grads, sync.Unreduced):
-      grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+      grads = pure(grads)
+    elif _holds_variables(grads.total):  # from value_and_grad(reduce=False) of a module
+      grads = dataclasses.replace(grads, total=pure(grads.total))
     new_params, new_opt_state, boundary, _ = transform.gate(
         self.tx, grads, nnx.as_pure(self.opt_state), params, weight=weight,
         **nnx.as_pure(kwargs))

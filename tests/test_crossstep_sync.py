@@ -182,3 +182,40 @@ def test_deferred_sync_refuses_fsdp_params_at_init():
   with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"replicated over \('data',\).*"
                                          r"FSDP.*without data_axes"):
     tx.init(params)
+
+
+@pytest.mark.parametrize("boxed", [True, False], ids=["variables", "values"])
+def test_deferred_sync_through_the_nnx_optimizer(boxed):
+  """fxaccum.Optimizer takes value_and_grad(reduce=False)'s Unreduced for an nnx module
+  as it comes (its total holds nnx.Param variables; before, the gate refused its tree) or
+  with plain values; k calls give nnx.Optimizer's step on the k calls' batches."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  def loss(model, batch):
+    return jnp.mean((model(batch["x"])[:, 0] - batch["y"]) ** 2)
+
+  rng = np.random.default_rng(0)
+  calls = [{"x": rng.normal(size=(16, 4)).astype(np.float32),
+            "y": rng.normal(size=16).astype(np.float32)} for _ in range(2)]
+  mesh = mesh_of((8,), ("data",), jax.sharding.AxisType.Explicit)
+  with jax.set_mesh(mesh):
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    ref_model = nnx.clone(model)
+    opt = fxaccum.Optimizer(model, optax.chain(fxaccum.accumulate(2, data_axes="data"),
+                                               optax.sgd(0.1)), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, batch):
+      _, grads = fxaccum.value_and_grad(loss, micro_batches=2, reduce=False)(model, batch)
+      if not boxed:
+        grads = fxaccum.Unreduced(nnx.as_pure(grads.total), grads.weight)
+      opt.update(model, grads)
+
+    for batch in calls:
+      jax.block_until_ready(step(model, opt, jax.device_put(batch, P("data"))))
+    ref_opt = nnx.Optimizer(ref_model, optax.sgd(0.1), wrt=nnx.Param)
+    whole = jax.tree.map(lambda *a: np.concatenate(a), *calls)
+    ref_opt.update(ref_model, nnx.grad(loss)(ref_model, whole))
+  assert int(opt.step[...]) == 1
+  assert_tree_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param), rtol=1e-5)

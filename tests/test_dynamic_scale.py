@@ -57,6 +57,44 @@ def test_in_step_scale_checks_the_accumulated_gradient_once(bad):
     assert_tree_close((got.aux, got.grad), (want.aux, want.grad))
 
 
+def test_in_step_scale_unscales_every_output_of_fxaccums_options():
+  """skip_nonfinite's count, noise_scale's NoiseScale and reduce=False's per-device sums
+  come back as fxaccum.value_and_grad gives them unscaled (before: a TypeError on the
+  tuple value, the NoiseScale dropped, and reduce=False's weights divided by the scale,
+  which made the cross-step gradient 65536x too large)."""
+  batch = batches(1)[0]
+  w = {"w": np.ones(DIM, np.float32)}
+  scale = fxaccum.DynamicScale(scale=2.0 ** 16)
+  value_fn = lambda p, b: loss_fn(p, b)[0]  # noqa: E731
+  ref_value, ref_grad = jax.value_and_grad(value_fn)(w, batch)
+  micro = [jax.tree.map(lambda a, i=i: a[i::K], batch) for i in range(K)]
+  small = np.mean([optax.tree.norm(jax.grad(value_fn)(w, m), squared=True) for m in micro])
+
+  got = scale.value_and_grad(value_fn, micro_batches=K, skip_nonfinite=True)(w, batch)
+  (value, skipped), grads = got.aux, got.grad  # flax names the value "aux"
+  assert_tree_close((value, grads), (ref_value, ref_grad))
+  assert int(skipped) == 0
+
+  got = scale.value_and_grad(loss_fn, has_aux=True, micro_batches=K, noise_scale=True)(
+      w, batch)
+  value, aux, noise = got.aux
+  assert_tree_close((value, aux, got.grad), (ref_value, loss_fn(w, batch)[1], ref_grad))
+  np.testing.assert_allclose([noise.small_sq_norm, noise.big_sq_norm, noise.small_batch,
+                              noise.big_batch],
+                             [small, optax.tree.norm(ref_grad, squared=True), ROWS // K, ROWS],
+                             rtol=1e-5)
+
+  mesh = jax.make_mesh((4,), ("data",))
+  with jax.set_mesh(mesh):
+    got = jax.jit(scale.value_and_grad(value_fn, micro_batches=K, reduce=False))(
+        w, jax.device_put(batch, jax.P("data")))
+  unreduced = got.grad
+  assert isinstance(unreduced, fxaccum.Unreduced)
+  assert float(jnp.sum(unreduced.weight)) == 4 * K  # one per micro-batch and device
+  assert_tree_close(jax.tree.map(lambda t: jnp.sum(t, 0) / jnp.sum(unreduced.weight),
+                                 unreduced.total), ref_grad)
+
+
 class ScaledState(fxaccum.TrainState):
   dynamic_scale: dynamic_scale_lib.DynamicScale
 
