@@ -360,7 +360,8 @@ class _Walker:
     other = _uniform_value(theirs)
     if scalar is None or other is None or mine.ndim != theirs.ndim:
       return Const(exp=None)
-    return Const(_all_dims(mine), scalar, self.ratio_exp(scalar, other))
+    # Its value differs between the two programs: known in neither (0 in one is no zero).
+    return Const(_all_dims(mine), None, self.ratio_exp(scalar, other))
 
   def literal(self, var, partner) -> Const:
     value = np.asarray(var.val)
@@ -370,6 +371,8 @@ class _Walker:
       other = _uniform_value(np.asarray(partner.val)) if isinstance(
           partner, jcore.Literal) else None
       exp = None if scalar is None or other is None else self.ratio_exp(scalar, other)
+      if other != scalar:  # a value the two programs differ in is known in neither
+        return Const(_all_dims(value) if scalar is not None else frozenset(), None, exp)
     return Const(_all_dims(value) if scalar is not None else frozenset(), scalar, exp)
 
   # -- the walk ------------------------------------------------------------------------
@@ -452,7 +455,13 @@ class _Walker:
 
   def _checked(self, eqn, position: int, kind: Kind) -> Kind:
     """A batch-dependent result whose other dimensions follow the number of rows: each
-    example's block would differ between the per-device and the global program."""
+    example's block would differ between the per-device and the global program. And a
+    scaled value in an integer type narrow enough to wrap (a uint8 sum of ``n`` tens) no
+    longer scales as a power of the rows."""
+    dtype = getattr(eqn.outvars[position].aval, "dtype", None)
+    if kind.exp not in (0.0, None) and dtype is not None and np.issubdtype(
+        dtype, np.integer) and np.dtype(dtype).itemsize < 4:
+      kind = dataclasses.replace(kind, exp=None)
     if isinstance(kind, (Const, Top)) or kind.mixed:
       return kind
     scaled = self.scaled_dims(eqn, position, out=True) - (

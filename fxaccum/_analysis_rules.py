@@ -112,7 +112,7 @@ def _index_changes(w: _Walker, kinds) -> bool:
 
 _FOLD: dict[str, Callable[..., Any]] = {
     "neg": lambda a: -a, "convert_element_type": lambda a: a, "copy": lambda a: a,
-    "reduce_precision": lambda a: a, "add": lambda a, b: a + b, "sub": lambda a, b: a - b,
+    "add": lambda a, b: a + b, "sub": lambda a, b: a - b,
     "mul": lambda a, b: a * b, "div": lambda a, b: a / b if b else None,
     "add_any": lambda a, b: a + b,
 }
@@ -181,16 +181,22 @@ def elementwise(w: _Walker, eqn, kinds: list[Kind]) -> list[Kind]:
     return [_linear(eqn, kinds, exp)] * len(eqn.outvars)
   fold = _FOLD.get(eqn.primitive.name)
   values = [getattr(k, "value", None) for k in kinds]  # Const kinds here
-  value = fold(*values) if fold and None not in values else None
-  if value is not None and eqn.primitive.name == "convert_element_type":
-    value = _cast(value, eqn.params["new_dtype"])
+  value = _folded(eqn, fold, values) if fold and None not in values else None
   return [Const(_const_uniform(kinds, eqn), value, exp)] * len(eqn.outvars)
 
 
-def _cast(value: float, dtype: Any) -> float | None:
-  """A known value cast like ``convert_element_type`` casts it (``int(2.4)`` is 2)."""
+def _folded(eqn, fold: Callable[..., Any], values: list[Any]) -> float | None:
+  """``fold`` of known values computed in the equation's dtypes, as XLA computes it
+  (rounding, wrapping, ``int(2.4)`` is 2); None where that is not known exactly."""
+  out = eqn.outvars[0].aval.dtype
   try:
-    return float(np.asarray(value).astype(dtype))
+    with np.errstate(all="ignore"):
+      args = [np.asarray(v).astype(var.aval.dtype)
+              for v, var in zip(values, eqn.invars, strict=True)]
+      if eqn.primitive.name == "div" and not jnp.issubdtype(out, jnp.inexact):
+        return None  # integer division rounds toward zero: not folded
+      result = fold(*args)
+      return None if result is None else float(np.asarray(result).astype(out))
   except (TypeError, ValueError, OverflowError):
     return None
 
@@ -217,9 +223,11 @@ def _linear(eqn, kinds: list[Kind], exp: Exp) -> Stat:
     monotone = name in ("copy", "reduce_precision", "stop_gradient") or (
         name == "convert_element_type" and _to_real_float(eqn))
     return stats[0] if monotone else dataclasses.replace(stats[0], extreme=None)
-  if name == "neg":
+  if name == "neg":  # swaps a maximum and a minimum, unless it wraps (unsigned)
     negated = {"max": "min", "min": "max"}
     extreme = stats[0].extreme
+    if jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.unsignedinteger):
+      extreme = None
     return dataclasses.replace(stats[0], extreme=negated[extreme] if extreme else None)
   if name in ("add", "add_any", "sub"):
     if len(stats) == 2:
@@ -328,7 +336,8 @@ def _reduction(linear: bool):
           extreme=extreme if mixed is None else None)
     if linear:
       return Stat(mixed, kind.exp)
-    if kind.extreme is not None and kind.extreme == extreme and not extra:
+    if isinstance(kind, Stat) and kind.extreme is not None and kind.extreme == extreme and (
+        not extra):
       return kind  # e.g. the maximum over the other dims of a maximum over the examples
     return Stat(mixed or with_place(eqn, f"{name} of a batch statistic"), kind.exp)
   return rule
@@ -345,7 +354,7 @@ def _cumulative(w: _Walker, eqn, kinds):
       return dataclasses.replace(kind, mixed=kind.mixed or with_place(
           eqn, "a cumulative op along the batch axis"))
     return kind
-  if eqn.primitive.name == "cumsum":  # sums of a statistic, no longer its extreme
+  if isinstance(kind, Stat) and eqn.primitive.name == "cumsum":  # sums, no extreme
     return dataclasses.replace(kind, extreme=None)
   return Stat(kind.mixed or with_place(eqn, "a cumulative op of a statistic"), kind.exp)
 

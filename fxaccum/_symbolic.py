@@ -133,9 +133,12 @@ def _watched(name: str, original: Callable[..., Any],
 
 
 def _caller_outside_jax(frame: types.FrameType | None) -> types.FrameType | None:
-  """The frame that used the size, or None where JAX did (``x != n`` calls ``x == n``)."""
-  while frame is not None and frame.f_code.co_name == "__ne__" and (
-      frame.f_code.co_filename.startswith(_JAX_DIR)):
+  """The frame that used the size, or None where JAX did: seen through JAX's ``__ne__``
+  (``x != n`` calls ``x == n``) and through generated dunders (a dataclass's ``__hash__``
+  or ``__eq__``, whose code is ``<string>``), to the code that called them."""
+  while frame is not None and frame.f_code.co_name.startswith("__") and (
+      (frame.f_code.co_name == "__ne__" and frame.f_code.co_filename.startswith(_JAX_DIR))
+      or frame.f_code.co_filename == "<string>"):
     frame = frame.f_back
   if frame is None or frame.f_code.co_filename.startswith(_JAX_DIR):
     return None

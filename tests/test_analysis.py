@@ -210,6 +210,15 @@ SIZE_DEPENDENT = {
         jnp.mean(x @ w, 0), (0, 1), constant_values=0.01 * x.shape[0])),
     "sum_over_an_int8_cast_of_a_count": lambda w, x: jnp.sum(_per_row(w, x)) / (
         jnp.asarray(x.shape[0], jnp.int32) * 5).astype(jnp.int8).astype(jnp.float32),
+    # A third sweep: constants folded in float64 (7 - 2 * (7 // 2) was taken for 0 and the
+    # sum's 1 added once per device), a uint8 count that wraps, and a literal that is 0 on
+    # the global micro-batch only (the two concrete programs' zero taken for a known 0).
+    "a_remainder_added_to_a_sum": lambda w, x: jnp.sum(_per_row(w, x)) + (
+        jnp.int32(7) - jax.lax.div(jnp.int32(7), jnp.int32(2)) * 2).astype(jnp.float32),
+    "sum_over_a_uint8_count_that_wraps": lambda w, x: jnp.sum(_per_row(w, x)) / jnp.full(
+        x.shape[0], 10, jnp.uint8).sum(dtype=jnp.uint8).astype(jnp.float32),
+    "a_term_that_is_zero_on_the_global_micro_batch": lambda w, x: jnp.mean(
+        _per_row(w, x)) + (0.5 if x.shape[0] < 8 else 0.0),
 }
 
 
@@ -242,7 +251,8 @@ PER_EXAMPLE = {
         _per_row(w, x) * (x[:, 0] > 0).astype(jnp.int32)),
 }
 SUMMED = {"mean_with_loss_reduction_sum", "sum_with_loss_reduction_sum",
-          "sum_over_a_global_count", "a_position_from_top_k_added_to_a_sum"}
+          "sum_over_a_global_count", "a_position_from_top_k_added_to_a_sum",
+          "a_remainder_added_to_a_sum"}
 KS = (1, 2, 4)
 
 

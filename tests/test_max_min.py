@@ -83,6 +83,9 @@ NOT_EXTREMA = {  # per device these would be another value than the batch's
     # Running sums of per-column maxima: once kept the marker through cumsum (and pmax'd).
     "cumsum_of_maxima": (lambda x, w: fxaccum.Max(jnp.cumsum(jnp.max(x, axis=0))),
                          lambda m: np.cumsum(np.max(m, axis=0))),
+    # Negating an unsigned maximum wraps: no minimum (the marker was once swapped anyway).
+    "negated_unsigned": (lambda x, w: fxaccum.Min(-jnp.max((x < -2.5).astype(jnp.uint32))),
+                         lambda m: -np.max((m < -2.5).astype(np.uint32))),
 }
 
 
