@@ -214,8 +214,31 @@ def _differentiated_by(forward: Callable, backward: Callable,
     y, kept = keeping(params, x) if keeping is not None else (forward(params, x), x)
     return y, (params, kept)
 
-  run.defvjp(forward_keeping, lambda saved, dy: backward(*saved, dy))
+  def rule(saved, dy):
+    _check_float_leaves(saved[0], dy)
+    return backward(*saved, dy)
+
+  run.defvjp(forward_keeping, rule)
   return run
+
+
+def _check_float_leaves(params: Any, dy: Any) -> None:
+  """The schedules with a backward pass of their own (1F1B, streamed GPipe, tensor-parallel
+  stages) carry cotangents for floating-point leaves only; JAX gives an integer leaf of
+  ``x`` (so of the output) a ``float0`` cotangent and an integer param none."""
+  found = [f"stage_params{jax.tree_util.keystr(path)} ({jnp.result_type(leaf)})"
+           for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+           if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+  found += [f"x{jax.tree_util.keystr(path)} (an integer activation)"
+            for path, leaf in jax.tree_util.tree_leaves_with_path(dy)
+            if jnp.result_type(leaf) == jax.dtypes.float0]
+  if found:
+    raise ValueError(
+        "fxaccum.pipeline differentiates this schedule by a backward pass of its own, "
+        f"which takes floating-point leaves only; found {', '.join(found[:3])}. Keep "
+        "integer values (masks, ids, indices) out of stage_params and x: close over "
+        "them in stage_fn, or pass them as floats; or use schedule='gpipe' with "
+        "remat=False, which JAX differentiates itself.")
 
 
 def _vjp_of(body: Callable) -> Callable:

@@ -525,3 +525,39 @@ def test_a_differentiated_value_stage_fn_closes_over_names_the_fix(schedule, k):
     return jnp.sum(h ** 2)
 
   assert_tree_close(got, jax.grad(looped)(w, np.float32(1.5)), rtol=1e-4)
+
+
+@pytest.mark.parametrize("schedule, k, remat", [("gpipe", 4, True), ("1f1b", 2, True),
+                                                ("gpipe", 4, False)])
+def test_integer_leaves_are_refused_by_the_schedules_own_backward_pass(schedule, k, remat):
+  """An integer leaf of x (a mask passed from stage to stage) or of stage_params met the
+  float0 cotangents JAX gives it deep inside 1F1B's and streamed GPipe's backward pass
+  ("Called add with a float0 array", or a stage_fn "mapping int32 to void"): a ValueError
+  now names the leaf and the fix. GPipe with remat=False, differentiated by JAX, takes
+  them and matches the sequential stages."""
+  mesh = jax.make_mesh((2, 4), ("data", "stage"), axis_types=(AxisType.Auto,) * 2)
+  rng = np.random.default_rng(7)
+  w = (rng.normal(size=(4, 4, 4)) / 2).astype(np.float32)
+  x = {"h": rng.normal(size=(16, 4)).astype(np.float32),
+       "m": np.arange(16, dtype=np.int32) % 3}
+
+  def stage_fn(q, h):
+    return {"h": jnp.tanh(h["h"] @ q) * (h["m"][:, None] + 1), "m": h["m"]}
+
+  def loss(w):
+    y = fxaccum.pipeline(stage_fn, w, x, micro_batches=k, schedule=schedule, remat=remat)
+    return jnp.sum(y["h"] ** 2)
+
+  def looped(w):
+    h = x
+    for s in range(4):
+      h = stage_fn(w[s], h)
+    return jnp.sum(h["h"] ** 2)
+
+  with jax.set_mesh(mesh):
+    if remat:
+      with pytest.raises(ValueError, match=r"floating-point leaves only; found x\['m'\]"):
+        jax.jit(jax.grad(loss))(w)
+      return
+    got = jax.jit(jax.grad(loss))(w)
+  assert_tree_close(got, jax.grad(looped)(w), rtol=1e-4)
