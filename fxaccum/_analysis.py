@@ -137,17 +137,27 @@ def analyze(
                   frozenset(used_params - walker.not_reducible), walker.sized_positions)
 
 
-def depends_on(closed_jaxpr: Any, values: Sequence[Any]) -> list[bool]:
+def depends_on(closed_jaxpr: Any, values: Sequence[Any],
+               collectives: frozenset[str] = frozenset()) -> list[bool]:
   """For each output of ``closed_jaxpr``: whether it depends on one of ``values`` (outer
-  tracers the traced function closed over, which appear as its constants)."""
+  tracers the traced function closed over, which appear as its constants), or on the
+  result of a primitive in ``collectives`` (at any depth: inside a ``jit`` too)."""
   wanted = {id(v) for v in values}
   jaxpr = closed_jaxpr.jaxpr
   reached = {var for var, const in zip(jaxpr.constvars, closed_jaxpr.consts, strict=True)
              if id(const) in wanted}
   for eqn in jaxpr.eqns:
-    if any(not isinstance(v, jcore.Literal) and v in reached for v in eqn.invars):
+    if any(not isinstance(v, jcore.Literal) and v in reached for v in eqn.invars) or (
+        collectives and _calls(eqn, collectives)):
       reached.update(eqn.outvars)
   return [not isinstance(v, jcore.Literal) and v in reached for v in jaxpr.outvars]
+
+
+def _calls(eqn: Any, names: frozenset[str]) -> bool:
+  """Whether ``eqn`` is, or holds in a sub-jaxpr, a primitive named in ``names``."""
+  return eqn.primitive.name in names or any(
+      _calls(inner, names) for value in eqn.params.values()
+      for sub in _subjaxprs(value) for inner in sub.eqns)
 
 
 # ---------------------------------------------------------------------------------------

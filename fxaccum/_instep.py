@@ -1277,8 +1277,12 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
   out_def = jax.tree.structure(shapes)
   (total_aval, (weight_aval, aux_avals, _, _)), _ = jax.tree.unflatten(
       out_def, closed.out_avals)
+  summed = _summed_over(closed, axes, batch, presummed)
   (total_axes, (weight_axes, aux_axes, _, _)), _ = jax.tree.unflatten(
-      out_def, _summed_over(closed, axes, batch, presummed))
+      out_def, [frozenset(axes) if s is None else s for s in summed])
+  (_, (constant_weight, _, _, _)), _ = jax.tree.unflatten(out_def, [s is None for s in summed])
+  if constant_weight:  # the same on every device (a scalar loss's 1): summed like the total
+    weight_axes = total_axes
   traced_step = jcore.jaxpr_as_fun(closed)
   markers = jax.tree.leaves(aux_avals, is_leaf=_is_marker)
   _warn_batch_shaped(config, call, whole, gather_dims, markers)
@@ -1385,15 +1389,21 @@ def _check_noise_scale(weight_axes: frozenset[str], axes: tuple[str, ...]):
 
 
 def _summed_over(closed: jax.extend.core.ClosedJaxpr, axes: tuple[str, ...], batch: Any,
-                 presummed: bool) -> list[frozenset[str]]:
+                 presummed: bool) -> list[frozenset[str] | None]:
   """Per output of one micro-step, the manual axes to sum it over after the loop: all,
-  but (``presummed``) those a batch-dependent value does not vary over: the loss summed
-  it over them."""
+  but (``presummed``) those a value fed by the batch or by a collective (``psum(n)``) does
+  not vary over: the loss summed it over them. None (``presummed``): a value fed by
+  neither, the same on every device (a weight of 1), for the caller to place."""
   if not (presummed and sync.tracks_varying(axes)):
     return [frozenset(axes)] * len(closed.out_avals)
-  depends = _analysis.depends_on(closed, jax.tree.leaves(batch))
+  depends = _analysis.depends_on(closed, jax.tree.leaves(batch), _REDUCING_COLLECTIVES)
   return [frozenset(a for a in axes if a in sync.varying_axes(aval)) if dep
-          else frozenset(axes) for aval, dep in zip(closed.out_avals, depends, strict=True)]
+          else None for aval, dep in zip(closed.out_avals, depends, strict=True)]
+
+
+# Collectives whose result no longer varies over their axes: a value computed from one
+# was reduced over them by the loss.
+_REDUCING_COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin", "all_gather"})
 
 
 def _retyped(carry: Any, *, like: Any, axes: tuple[str, ...]) -> Any:

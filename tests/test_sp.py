@@ -124,6 +124,44 @@ def test_a_loss_that_already_psums_its_weighted_parts():
   assert_tree_close(got, reference(params, batch))
 
 
+@pytest.mark.parametrize("form", ["pmean_of_means", "psum_over_psum", "weighted_psums",
+                                  "weighted_psummed_count", "weighted_global_count"])
+def test_per_rank_losses_already_reduced_over_the_ranks(form):
+  """A per-rank loss that already holds the global value (a pmean of the ranks' means, a
+  psum over a psum) or a Weighted whose count was psummed from a number that is not batch
+  data (the ranks' row counts) came back 1/8 of the reference: the scalar loss's weight of
+  1, and the psummed count, were summed over the ranks again. A weight the same on every
+  rank is now summed where the total is; a value fed by a psum is not summed again."""
+  rng = np.random.default_rng(3)
+  x, y = rng.normal(size=(32, 4)).astype(np.float32), rng.normal(size=32).astype(np.float32)
+  w = np.linspace(0.5, 1.5, 4).astype(np.float32)
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+
+  def squares(w, b):
+    return (b[0] @ w - b[1]) ** 2
+
+  def psum(v):
+    return jax.lax.psum(v, "data")
+
+  losses = {
+      "pmean_of_means": lambda w, b: jax.lax.pmean(jnp.mean(squares(w, b)), "data"),
+      "psum_over_psum": lambda w, b: psum(jnp.sum(squares(w, b))) / psum(
+          jnp.float32(b[0].shape[0])),
+      "weighted_psums": lambda w, b: fxaccum.Weighted(psum(jnp.sum(squares(w, b))), psum(
+          jnp.float32(b[0].shape[0]))),
+      "weighted_psummed_count": lambda w, b: fxaccum.Weighted(jnp.sum(squares(w, b)), psum(
+          jnp.float32(b[0].shape[0]))),
+      "weighted_global_count": lambda w, b: fxaccum.Weighted(psum(jnp.sum(squares(w, b))),
+                                                             8.0 * b[0].shape[0]),
+  }
+  grad_fn = fxaccum.value_and_grad(losses[form], micro_batches=2, data_axes="data")
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax.shard_map(grad_fn, mesh=mesh, in_specs=(P(), P("data")),
+                                out_specs=P()))(w, (x, y))
+  # Every micro-batch has as many rows: the mean of the micro-batches' means is the mean.
+  assert_tree_close(got, jax.value_and_grad(lambda w: jnp.mean(squares(w, (x, y))))(w))
+
+
 def test_per_rank_token_mean_is_refused():
   """A per-shard token mean cannot combine into the global one: a clear error."""
   mesh = mesh_of((2, 4), AXES, AxisType.Auto)
