@@ -1110,6 +1110,8 @@ def _device_loop(config: _Config, layout: sync.Layout, call: _Call, presummed: b
   """Inside the data-manual region: local sums over the micro-batches, then reductions
   (``presummed``: see :func:`_loop`)."""
   axes = layout.data_axes
+  if config.fsdp_gather == "per_micro_batch":
+    _check_gathered_in_the_loop(call.diff_leaves, layout)
   per_step = config.fsdp_reduce == "per_step"
   # Leaves gathered inside the loop body (FSDP per micro-batch) vs. held whole locally.
   gather_in_loop = [dims if not per_step else () for dims in layout.param_dims]
@@ -1140,6 +1142,21 @@ def _device_loop(config: _Config, layout: sync.Layout, call: _Call, presummed: b
   if not config.reduce:  # each device's sums, one slot per device
     grads = ([total[None] for total in grads], sync.vary(local_weight, axes)[None])
   return value_aux, grads, after
+
+
+def _check_gathered_in_the_loop(leaves: Sequence[Any], layout: sync.Layout) -> None:
+  """JAX 0.10.2 cannot differentiate an all_gather over a manual data axis of a value also
+  sharded over an ``Explicit`` non-data axis (an AssertionError in its sharding rule,
+  without fxaccum too; docs/sharding.md): such a param is not gathered per micro-batch,
+  and the loss runs in the global view (the caller's fallback, with this reason)."""
+  for i, (leaf, dims) in enumerate(zip(leaves, layout.param_dims, strict=True)):
+    other = {a for entry in jax.typeof(leaf).sharding.spec for a in sync.spec_axes(entry)}
+    other -= set(layout.data_axes)
+    if dims and _explicit(layout.mesh, sorted(other)):
+      raise ValueError(
+          f"fsdp_gather='per_micro_batch' cannot gather param leaf {i} in the loop: it is "
+          f"sharded over the Explicit axes {sorted(other)} too, and JAX {jax.__version__} "
+          "fails to differentiate such a gather; fsdp_gather='per_step' gathers it once")
 
 
 def _global(config: _Config, layout: sync.Layout, path: _view.Path,

@@ -185,6 +185,31 @@ def test_a_step_in_the_global_view_warns_that_it_gathers_per_step():
     step(put(params, mesh, MLP_SPECS), put(data, mesh, DATA))
 
 
+def test_a_param_also_sharded_over_an_explicit_model_axis_is_not_gathered_per_use():
+  """FSDP x tensor parallelism on an Explicit mesh: JAX 0.10.2 fails to differentiate an
+  all_gather over the data axis of a param also sharded over `model` (an AssertionError in
+  its sharding rule, without fxaccum too; it used to surface from fxaccum's loop). Such a
+  step runs in the global view, says why, and is exact."""
+  mesh = mesh_of((4, 2), ("data", "model"), AxisType.Explicit)
+  rng = np.random.default_rng(5)
+  w = rng.normal(size=(8, 16)).astype(np.float32)
+  x = rng.normal(size=(16, 8)).astype(np.float32)
+
+  def loss(p, b):
+    kernel = jax.sharding.reshard(p["w"], P(None, "model"))
+    return jnp.mean(jnp.tanh(b["x"] @ kernel) ** 2)
+
+  with jax.set_mesh(mesh):
+    args = ({"w": jax.device_put(w, P("data", "model"))}, {"x": jax.device_put(x, P("data"))})
+    step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=2, fsdp_gather="per_micro_batch"))
+    with pytest.warns(UserWarning, match="has no effect on this step"):
+      got = step(*args)
+    (path,) = diagnostics.paths(step, *args)
+    reference = jax.jit(jax.value_and_grad(loss))(*args)  # the whole batch, plain JAX
+  assert path.view == "global" and "fsdp_gather='per_step'" in path.reason, path
+  assert_tree_close(got, reference)
+
+
 class LogicalMLP(nn.Module):
   """Kernels annotated with logical axes, as flax's lm1b and wmt examples write them
   (nn.DenseGeneral, as in their attention projections, re-boxes its kernel in its init)."""
