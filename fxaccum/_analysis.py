@@ -377,13 +377,14 @@ class _Walker:
     value = np.asarray(var.val)
     scalar = _uniform_value(value)
     exp: Exp = 0.0
+    known = scalar
     if partner is not None and self.base is not None:
       other = _uniform_value(np.asarray(partner.val)) if isinstance(
           partner, jcore.Literal) else None
       exp = None if scalar is None or other is None else self.ratio_exp(scalar, other)
       if other != scalar:  # a value the two programs differ in is known in neither
-        return Const(_all_dims(value) if scalar is not None else frozenset(), None, exp)
-    return Const(_all_dims(value) if scalar is not None else frozenset(), scalar, exp)
+        known = None
+    return Const(_all_dims(value) if scalar is not None else frozenset(), known, exp)
 
   # -- the walk ------------------------------------------------------------------------
 

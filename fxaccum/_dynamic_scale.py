@@ -75,11 +75,9 @@ class DynamicScale(dynamic_scale_lib.DynamicScale):
       return (loss, aux) if has_aux else loss
 
     grad_fn = _instep.value_and_grad(scaled, argnums, has_aux, **options)
-    # The value is the loss alone, or a tuple led by it: (loss, aux[, noise]), (loss, noise).
-    led = has_aux or options.get("skip_nonfinite") or options.get("noise_scale")
 
-    def unscaled(value):
-      if not led:
+    def unscaled(value):  # the loss, or a tuple led by it: (loss, aux[, noise]), (loss, noise)
+      if not isinstance(value, tuple):
         return value / self.scale
       loss, *rest = value
       if options.get("noise_scale"):  # squared norms of scaled gradients
