@@ -199,8 +199,8 @@ def multisteps(loss_fn: Callable, params: Any, k: int) -> Method:
 
 def fxaccum_cross(loss_fn: Callable, params: Any, k: int, deferred: bool) -> Method:
   """``optax.chain(fxaccum.accumulate(k), adam)`` through ``fxaccum.TrainState``; deferred:
-  ``reduce=False`` gradients and ``accumulate(k, data_axes="data")``."""
-  value_and_grad = (fxaccum.value_and_grad(loss_fn, micro_batches=1, reduce=False)
+  ``value_and_unreduced_grad`` gradients and ``accumulate(k, data_axes="data")``."""
+  value_and_grad = (fxaccum.value_and_unreduced_grad(loss_fn, micro_batches=1)
                     if deferred else jax.value_and_grad(loss_fn))
 
   def call(state, batch):

@@ -24,7 +24,8 @@ from matplotlib.ticker import FuncFormatter  # noqa: E402
 MIB = 2**20
 STYLE = {  # method -> (colour, marker, line style): fxaccum solid, baselines dashed
     "fxaccum": ("tab:blue", "o", "-"),
-    "fxaccum_per_step": ("tab:cyan", "o", "-"),
+    "fxaccum_zero1": ("tab:cyan", "o", "-"),
+    "fxaccum_zero2": ("tab:gray", "o", "-"),
     "fxaccum_cross": ("tab:green", "s", "-"),
     "fxaccum_cross_reduced": ("tab:olive", "s", "-"),
     "plain_scan": ("tab:orange", "^", "--"),

@@ -17,11 +17,12 @@ to show what exactness costs). Methods:
 
 * ``large_batch``: ``jax.value_and_grad`` on the whole batch (the reference; no ``k``);
 * in-step, one jitted call per optimizer step: ``fxaccum`` (``fxaccum.value_and_grad(loss,
-  micro_batches=k)``), ``fxaccum_per_step`` (FSDP only, ``fsdp_reduce="per_step"``),
+  micro_batches=k)``), ``fxaccum_zero1`` and ``fxaccum_zero2`` (FSDP only, ``fsdp="zero1"``
+  / ``"zero2"``, the default choosing its own),
   ``plain_scan`` (``jit`` + ``lax.scan`` of ``jax.value_and_grad``) and ``micro_grad``
   (``optax.microbatching.micro_grad``, per-example gradients, MEAN);
 * cross-step, ``k`` jitted calls of one micro-batch each: ``fxaccum_cross`` (deferred sync:
-  ``accumulate(k, data_axes="data")`` fed ``value_and_grad(..., reduce=False)``),
+  ``accumulate(k, data_axes="data")`` fed ``value_and_unreduced_grad``),
   ``fxaccum_cross_reduced`` (FSDP only: ``accumulate(k)`` fed ``jax.value_and_grad``) and
   ``multisteps`` (``optax.MultiSteps(adam, k)``).
 
@@ -111,7 +112,8 @@ CROSS_STEP = "cross-step"
 METHODS = {
     "fxaccum": (IN_STEP, "fxaccum", None),
     "fxaccum_device": (IN_STEP, "fxaccum", ("bn_mlp",)),
-    "fxaccum_per_step": (IN_STEP, "fxaccum", ("fsdp",)),
+    "fxaccum_zero1": (IN_STEP, "fxaccum", ("fsdp",)),
+    "fxaccum_zero2": (IN_STEP, "fxaccum", ("fsdp",)),
     "plain_scan": (IN_STEP, "fxaccum", None),
     "micro_grad": (IN_STEP, "fxaccum", None),
     "fxaccum_cross": (CROSS_STEP, "fxaccum_cross", None),
@@ -130,9 +132,12 @@ def builders(loss_fn: Callable, params: Any, batch_size: int,
       "fxaccum_device": lambda: adam_step(
           fxaccum.value_and_grad(loss_fn, micro_batches=k, view="device"), params,
           "view='device' forced: per-device batch statistics (fast, not the contract)"),
-      "fxaccum_per_step": lambda: adam_step(
-          fxaccum.value_and_grad(loss_fn, micro_batches=k, fsdp_reduce="per_step"), params,
-          "fsdp_reduce='per_step': params gathered once, one reduce-scatter per step"),
+      "fxaccum_zero1": lambda: adam_step(
+          fxaccum.value_and_grad(loss_fn, micro_batches=k, fsdp="zero1"), params,
+          "fsdp='zero1': params gathered once, one reduce-scatter per step"),
+      "fxaccum_zero2": lambda: adam_step(
+          fxaccum.value_and_grad(loss_fn, micro_batches=k, fsdp="zero2"), params,
+          "fsdp='zero2': params gathered once, one reduce-scatter per micro-batch"),
       "plain_scan": lambda: adam_step(plain_scan_value_and_grad(loss_fn, k), params,
                                       "jit + lax.scan over k strided micro-batches"),
       "micro_grad": lambda: adam_step(micro_grad, params,

@@ -2,8 +2,8 @@
 
 The same small transformer LM and synthetic data as ``train_lm.py``, on 8 simulated CPU
 devices. Each call of the jitted step takes ONE micro-batch; gradients stay per-device
-partial sums (``reduce=False``) until the k-th call of the window, whose ``lax.cond`` branch
-reduces them once, runs Adam once and updates the params.
+partial sums (``fxaccum.value_and_unreduced_grad``) until the k-th call of the window,
+whose ``lax.cond`` branch reduces them once, runs Adam once and updates the params.
 
     python examples/crossstep_lm.py                 # defaults: 10 optimizer steps, k=4
     python examples/crossstep_lm.py --steps 2 --every-k 8
@@ -41,7 +41,7 @@ def main() -> None:
   model, mesh = TinyLM(), data_mesh()
   # Per-device partial sums until the window's last call: one gradient reduction per step.
   tx = optax.chain(fxaccum.accumulate(args.every_k, data_axes="data"), optax.adam(args.lr))
-  grad_fn = fxaccum.value_and_grad(token_loss(model), micro_batches=1, reduce=False)
+  grad_fn = fxaccum.value_and_unreduced_grad(token_loss(model), micro_batches=1)
 
   @jax.jit
   def train_step(state, batch):

@@ -39,7 +39,7 @@ def train(directory: Path, calls: int, kill_at: int | None, resume: bool) -> Non
   """One process's share of the training; checkpoints after every call."""
   model, mesh = TinyLM(), data_mesh()
   tx = optax.chain(fxaccum.accumulate(EVERY_K, data_axes="data"), optax.adam(3e-3))
-  grad_fn = fxaccum.value_and_grad(token_loss(model), micro_batches=1, reduce=False)
+  grad_fn = fxaccum.value_and_unreduced_grad(token_loss(model), micro_batches=1)
 
   @jax.jit
   def train_step(state, batch):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fxaccum import _sync as sync
+from fxaccum._statistics import Statistics
 from fxaccum._weighted import (
     Concat,
     Max,
@@ -142,6 +143,9 @@ def for_aux(marker: Any, axes: Any, micro_batches: int) -> Accumulator:
     rows = concatenated(marker.value, micro_batches)
     return dataclasses.replace(rows, update=lambda carry, value, index, weight: rows.update(
         carry, value.value, index, weight))
+  if isinstance(marker, Statistics):  # carries nothing: the step's statistics replace it
+    return Accumulator(lambda: marker, lambda carry, value, index, weight: carry,
+                       lambda carry, weight: carry)
   return weighted_mean(marker, axes)
 
 

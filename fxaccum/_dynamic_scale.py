@@ -24,8 +24,9 @@ from flax.training import dynamic_scale as dynamic_scale_lib
 from jax import lax
 
 from fxaccum import _instep
+from fxaccum._statistics import Statistics
 from fxaccum._sync import Unreduced
-from fxaccum._weighted import Weighted, all_finite
+from fxaccum._weighted import Sum, Weighted, all_finite
 
 __all__ = ["DynamicScale", "updated"]
 
@@ -63,43 +64,73 @@ class DynamicScale(dynamic_scale_lib.DynamicScale):
     ``axis_name`` (a ``pmap`` axis, as in flax) the gradient is averaged over it before
     the check, as flax does.
     """
-    if "micro_batches" not in options and "micro_batch_size" not in options:
+    if "micro_batches" not in options:
       return super().value_and_grad(fun, argnums, has_aux, axis_name)
+    return self._accumulated(_instep.value_and_grad, fun, argnums, has_aux, axis_name,
+                             options)
 
+  def value_and_unreduced_grad(
+      self,
+      fun: Callable[..., Any],
+      argnums: int | Sequence[int] = 0,
+      has_aux: bool = False,
+      **options: Any,
+  ) -> Callable[..., dynamic_scale_lib.DynamicScaleResult]:
+    """:meth:`value_and_grad` over :func:`fxaccum.value_and_unreduced_grad`: the gradient
+    comes back as :class:`fxaccum.Unreduced` per-device sums, unscaled (their weights as
+    they are), for a cross-step gate with ``accumulate(k, data_axes=...)``."""
+    return self._accumulated(_instep.value_and_unreduced_grad, fun, argnums, has_aux, None,
+                             options)
+
+  def _accumulated(self, entry: Callable[..., Any], fun: Callable[..., Any], argnums: Any,
+                   has_aux: bool, axis_name: str | None, options: dict[str, Any]
+                   ) -> Callable[..., dynamic_scale_lib.DynamicScaleResult]:
+    """``entry`` (an in-step entry point) of ``fun`` with its loss scaled, its results
+    unscaled and checked."""
     @functools.wraps(fun)
     def scaled(*args, **kwargs):
       out = fun(*args, **kwargs)
       loss, aux = out if has_aux else (out, None)
-      loss = (Weighted(loss.total * self.scale, loss.weight) if isinstance(loss, Weighted)
-              else loss * self.scale)
+      if isinstance(loss, Weighted):
+        loss = Weighted(loss.total * self.scale, loss.weight)
+      else:
+        loss = Sum(loss.value * self.scale) if isinstance(loss, Sum) else loss * self.scale
       return (loss, aux) if has_aux else loss
 
-    grad_fn = _instep.value_and_grad(scaled, argnums, has_aux, **options)
+    grad_fn = entry(scaled, argnums, has_aux, **options)
 
-    def unscaled(value):  # the loss, or a tuple led by it: (loss, aux[, noise]), (loss, noise)
-      if not isinstance(value, tuple):
+    def unscaled(value):  # the loss, or (loss, aux) whose Statistics hold scaled norms
+      if not has_aux:
         return value / self.scale
-      loss, *rest = value
-      if options.get("noise_scale"):  # squared norms of scaled gradients
-        noise = rest[-1]
-        rest[-1] = noise._replace(small_sq_norm=noise.small_sq_norm / self.scale ** 2,
-                                  big_sq_norm=noise.big_sq_norm / self.scale ** 2)
-      return (loss / self.scale, *rest)
+      loss, aux = value
+      return loss / self.scale, jax.tree.map(self._unscaled_statistics, aux,
+                                             is_leaf=lambda x: isinstance(x, Statistics))
+
+    def unscale(g):
+      return jnp.asarray(g, jnp.float32) / self.scale
 
     def scaled_grad_fn(*args, **kwargs):
       value, grads = grad_fn(*args, **kwargs)
       value = unscaled(value)
       if isinstance(grads, Unreduced):  # per-device sums: their weights are not scaled
-        grads = dataclasses.replace(grads, total=jax.tree.map(
-            lambda g: jnp.asarray(g, jnp.float32) / self.scale, grads.total))
+        grads = dataclasses.replace(grads, total=jax.tree.map(unscale, grads.total))
       else:
-        grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) / self.scale, grads)
+        grads = jax.tree.map(unscale, grads)
       if axis_name is not None:  # pmap (flax's convention): the replicas' mean, then checked
         grads = lax.pmean(grads, axis_name)
       finite = all_finite(grads)
       return dynamic_scale_lib.DynamicScaleResult(updated(self, finite), finite, value, grads)
 
     return scaled_grad_fn
+
+  def _unscaled_statistics(self, x: Any) -> Any:
+    """A :class:`fxaccum.Statistics`' noise scale from squared norms of gradients of the
+    unscaled loss (other aux leaves as they are)."""
+    if not isinstance(x, Statistics):
+      return x
+    noise = x.noise_scale._replace(small_sq_norm=x.noise_scale.small_sq_norm / self.scale ** 2,
+                                   big_sq_norm=x.noise_scale.big_sq_norm / self.scale ** 2)
+    return dataclasses.replace(x, noise_scale=noise)
 
 
 def updated(scale: dynamic_scale_lib.DynamicScale, finite: jax.Array) -> Any:

@@ -125,7 +125,7 @@ class Optimizer(nnx.Optimizer):
     params = pure(model)
     if not isinstance(grads, sync.Unreduced):
       grads = pure(grads)
-    elif _holds_variables(grads.total):  # from value_and_grad(reduce=False) of a module
+    elif _holds_variables(grads.total):  # from value_and_unreduced_grad of a module
       grads = dataclasses.replace(grads, total=pure(grads.total))
     new_params, new_opt_state, boundary, _ = transform.gate(
         self.tx, grads, nnx.as_pure(self.opt_state), params, weight=weight,

@@ -10,13 +10,15 @@ The loss function is the *compute-grad* part: it runs once per micro-batch insid
 *view* runs it is decided per traced call (:mod:`fxaccum._view`): per device, with the
 gradients summed locally and reduced over the data axes once after the loop, where the
 loss provably keeps its examples apart; otherwise on the global micro-batch, as
-``jax.value_and_grad`` runs it.
+``jax.value_and_grad`` runs it. Params sharded over a data axis (FSDP) are gathered and
+reduced by the strategy :mod:`fxaccum._fsdp` picks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -32,11 +34,14 @@ from jax.sharding import PartitionSpec as P
 
 from fxaccum import _accumulators as acc
 from fxaccum import _analysis, _nnx, _symbolic, _view
+from fxaccum import _fsdp as fsdp_lib
 from fxaccum import _gather as gather_lib
 from fxaccum import _reduce as reduce_lib
 from fxaccum import _split as split
 from fxaccum import _sync as sync
 from fxaccum._noise import NoiseScale
+from fxaccum._split import MicroBatchSize
+from fxaccum._statistics import Statistics, unavailable_noise_scale
 from fxaccum._weighted import (
     Concat,
     Max,
@@ -51,80 +56,93 @@ from fxaccum._weighted import (
     weight_dtype,
 )
 
-__all__ = ["value_and_grad", "grad"]
+__all__ = ["Options", "grad", "value_and_grad", "value_and_unreduced_grad"]
 
-FsdpReduce = Literal["per_micro_batch", "per_step"]
-FsdpGather = Literal["per_step", "per_micro_batch"]
-LossReduction = Literal["mean", "sum"]
-# The returned function takes fun's own parameters; its result is (value, grads), with
-# value = (loss, aux) for has_aux=True, as jax.value_and_grad's.
+MicroBatches = int | MicroBatchSize
+Argnums = int | Sequence[int]
+# The returned function takes fun's own parameters.
 _P = ParamSpec("_P")
 
 
-class _Options(TypedDict, total=False):
-  """``value_and_grad``'s keyword options that do not change what it returns."""
+class Options(TypedDict, total=False):
+  """The keyword options of every in-step entry point besides ``micro_batches`` (and
+  ``fsdp``, which :func:`value_and_unreduced_grad` does not take). Each is independent of
+  the others; see :func:`value_and_grad`."""
 
-  micro_batches: int
-  micro_batch_size: int
-  batch_argnums: int | Sequence[int]
+  batch_argnums: Argnums
+  rng_argnums: Argnums
+  state_argnums: Argnums
   data_axes: str | Sequence[str] | None
-  accum_dtype: Any
-  rng_argnums: int | Sequence[int]
-  state_argnums: int | Sequence[int]
-  fsdp_reduce: FsdpReduce
-  fsdp_gather: FsdpGather
-  bucket_bytes: int | None
-  reduce: bool
-  view: _view.View
   param_shardings: Any
-  loss_reduction: LossReduction
+  accum_dtype: Any
+  view: _view.View
+  skip_nonfinite: bool
 
 
-# The result's structure follows has_aux and skip_nonfinite: (value, grads) without either,
-# ((value, aux), grads) with has_aux, and see the docstring for skip_nonfinite.
+class _ReducedOptions(Options, total=False):
+  fsdp: fsdp_lib.Fsdp
+
+
+# Options that are gone, and what says the same now.
+_REMOVED = {
+    "micro_batch_size": "micro_batches=fxaccum.MicroBatchSize(m)",
+    "fsdp_reduce": "fsdp='zero1' (fsdp_reduce='per_step'), or leave fsdp='auto' to choose",
+    "fsdp_gather": "fsdp='zero3' (fsdp_gather='per_micro_batch'), or leave fsdp='auto' to "
+                   "choose",
+    "bucket_bytes": "nothing: gradient reductions are bucketed at 2 MiB, the size measured "
+                    "best (docs/performance.md)",
+    "reduce": "fxaccum.value_and_unreduced_grad(...) for reduce=False (its gradients are "
+              "fxaccum.Unreduced)",
+    "noise_scale": "has_aux=True with fxaccum.Statistics() in the loss's aux: the step's "
+                   "statistics replace it, the noise scale in .noise_scale",
+    "loss_reduction": "a loss returned as fxaccum.Sum(loss) for loss_reduction='sum' (the "
+                      "value and gradients are then its sums over the micro-batches)",
+}
+
+
+def _public(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` whose signature (``inspect.signature``, ``help``) leaves out ``**removed``, the
+  catch-all that names a removed option's new spelling."""
+  signature = inspect.signature(fn)
+  fn.__signature__ = signature.replace(  # type: ignore[attr-defined]
+      parameters=[p for p in signature.parameters.values() if p.name != "removed"])
+  return fn
+
+
 @overload
-def value_and_grad(fun: Callable[_P, Any], argnums: int | Sequence[int] = ...,
-                   has_aux: Literal[False] = ..., *, skip_nonfinite: Literal[False] = ...,
-                   noise_scale: Literal[False] = ...,
-                   **options: Unpack[_Options]) -> Callable[_P, tuple[jax.Array, Any]]: ...
-@overload
-def value_and_grad(fun: Callable[_P, Any], argnums: int | Sequence[int] = ..., *,
-                   has_aux: Literal[True], skip_nonfinite: Literal[False] = ...,
-                   noise_scale: Literal[False] = ...,
-                   **options: Unpack[_Options]) -> Callable[_P, tuple[tuple[jax.Array, Any], Any]]:
+def value_and_grad(fun: Callable[_P, Any], argnums: Argnums = ...,
+                   has_aux: Literal[False] = ..., *, micro_batches: MicroBatches,
+                   **options: Unpack[_ReducedOptions]) -> Callable[_P, tuple[jax.Array, Any]]:
   ...
 @overload
-def value_and_grad(fun: Callable[_P, Any], argnums: int | Sequence[int],
-                   has_aux: Literal[True], *, skip_nonfinite: Literal[False] = ...,
-                   noise_scale: Literal[False] = ...,
-                   **options: Unpack[_Options]) -> Callable[_P, tuple[tuple[jax.Array, Any], Any]]:
-  ...
+def value_and_grad(fun: Callable[_P, Any], argnums: Argnums = ..., *, has_aux: Literal[True],
+                   micro_batches: MicroBatches, **options: Unpack[_ReducedOptions]
+                   ) -> Callable[_P, tuple[tuple[jax.Array, Any], Any]]: ...
 @overload
-def value_and_grad(fun: Callable[_P, Any], argnums: int | Sequence[int] = ...,
-                   has_aux: bool = ..., *, skip_nonfinite: bool = ...,
-                   noise_scale: bool = ...,
-                   **options: Unpack[_Options]) -> Callable[_P, tuple[Any, Any]]: ...
+def value_and_grad(fun: Callable[_P, Any], argnums: Argnums, has_aux: Literal[True], *,
+                   micro_batches: MicroBatches, **options: Unpack[_ReducedOptions]
+                   ) -> Callable[_P, tuple[tuple[jax.Array, Any], Any]]: ...
+@overload
+def value_and_grad(fun: Callable[_P, Any], argnums: Argnums = ..., has_aux: bool = ..., *,
+                   micro_batches: MicroBatches, **options: Unpack[_ReducedOptions]
+                   ) -> Callable[_P, tuple[Any, Any]]: ...
+@_public
 def value_and_grad(
     fun: Callable[_P, Any],
-    argnums: int | Sequence[int] = 0,
+    argnums: Argnums = 0,
     has_aux: bool = False,
     *,
-    micro_batches: int | None = None,
-    micro_batch_size: int | None = None,
-    batch_argnums: int | Sequence[int] = 1,
+    micro_batches: MicroBatches | None = None,
+    batch_argnums: Argnums = 1,
+    rng_argnums: Argnums = (),
+    state_argnums: Argnums = (),
     data_axes: str | Sequence[str] | None = None,
-    accum_dtype: Any = jnp.float32,
-    rng_argnums: int | Sequence[int] = (),
-    state_argnums: int | Sequence[int] = (),
-    fsdp_reduce: FsdpReduce = "per_micro_batch",
-    fsdp_gather: FsdpGather = "per_step",
-    bucket_bytes: int | None = reduce_lib.BUCKET_BYTES,
-    reduce: bool = True,
-    view: _view.View = "auto",
     param_shardings: Any = None,
+    accum_dtype: Any = jnp.float32,
+    view: _view.View = "auto",
+    fsdp: fsdp_lib.Fsdp = "auto",
     skip_nonfinite: bool = False,
-    loss_reduction: LossReduction = "mean",
-    noise_scale: bool = False,
+    **removed: Any,
 ) -> Callable[_P, tuple[Any, Any]]:  # see the overloads
   """Like ``jax.value_and_grad``, over ``micro_batches`` micro-batches of the batch.
 
@@ -132,8 +150,9 @@ def value_and_grad(
   ``micro_batches`` equal parts (micro-batch ``i`` holds rows ``i::micro_batches`` of each
   device's rows, so a data-sharded batch is never resharded). Every other argument
   (params, constants, keys) is shared by all micro-batches. ``fun`` runs on one
-  micro-batch at a time inside a single ``lax.scan``. The result is the weighted mean of
-  ``jax.value_and_grad(fun)`` over the global micro-batches, for every loss:
+  micro-batch at a time inside a single ``lax.scan``. The result has the structure
+  ``jax.value_and_grad(fun, argnums, has_aux)`` gives, and is the weighted mean of its
+  results over the global micro-batches, for every loss:
 
   * if ``fun`` returns a scalar, each micro-batch weighs 1: for a **mean over the
     micro-batch's examples** the value is the mean over all examples, exactly what
@@ -141,12 +160,17 @@ def value_and_grad(
   * if ``fun`` returns :class:`fxaccum.Weighted` ``(total, weight)``, the value is
     ``sum(total) / sum(weight)`` over all micro-batches (0 when the summed weight is 0),
     and the gradient is that of this global ratio;
+  * if ``fun`` returns :class:`fxaccum.Sum` ``(loss)`` (a loss already normalized
+    globally, e.g. divided by the whole batch's token count, or a plain sum), the value
+    and the gradients are its sums over the micro-batches (and devices);
   * with ``has_aux=True``, ``fun`` returns ``(loss, aux)``. Plain ``aux`` leaves are
     averaged over the micro-batches with the loss's weights, in float32 (a micro-batch of
     weight 0 adds nothing); a ``Weighted`` leaf is normalized by its own weight; a
     :class:`fxaccum.Sum` leaf is summed; a :class:`fxaccum.Max` / :class:`fxaccum.Min`
     leaf is combined by its maximum / minimum; a :class:`fxaccum.Concat` leaf
-    (per-example outputs) comes back for the whole batch, in its row order.
+    (per-example outputs) comes back for the whole batch, in its row order; a
+    :class:`fxaccum.Statistics` () comes back as the step's statistics (micro-batches
+    skipped, the gradient noise scale).
 
   A flax NNX module among the arguments is taken the ``nnx.value_and_grad`` way: at a
   differentiated position its ``nnx.Param``s are differentiated (another filter:
@@ -165,13 +189,11 @@ def value_and_grad(
 
   Gradients come back in the dtype of the params (like ``jax.grad``), summed in
   ``accum_dtype``; the value has the dtype of the loss ``fun`` returned. Params sharded
-  over a data axis (FSDP) keep their sharding: in the per-device view they are gathered
-  per micro-batch and their gradients reduce-scattered per micro-batch
-  (``fsdp_reduce="per_micro_batch"``, memory-optimal), or gathered once with one
-  reduce-scatter per step (``"per_step"``). ``fsdp_gather="per_micro_batch"`` (ZeRO-3)
-  gathers each FSDP param where the loss uses it, one layer at a time inside a scan over
-  stacked layers, and again in the backward pass, so no whole param stays live through
-  the step.
+  over a data axis (FSDP) keep their sharding. In the per-device view ``fsdp`` picks how
+  they are gathered and their gradients reduced: ``"auto"`` (default) gathers each param
+  where the loss uses it (one layer at a time in a scan over stacked layers, ZeRO-3)
+  where that lowers the peak memory, else once per step with one reduce-scatter per
+  micro-batch (ZeRO-2); the report's paths say which and why.
 
   Randomness: keys at ``rng_argnums`` are replaced, for micro-batch ``i``, by
   ``jax.random.fold_in(key, i)``, so dropout differs between micro-batches.
@@ -181,72 +203,50 @@ def value_and_grad(
     argnums: which positional argument(s) to differentiate, as in ``jax.grad``; for an
       NNX module, also ``nnx.DiffState(argnum, filter)``.
     has_aux: whether ``fun`` returns ``(loss, aux)``.
-    micro_batches: number ``k`` of micro-batches per call (a positive Python int).
-    micro_batch_size: instead of ``micro_batches``: ``m``, the rows of one micro-batch
-      across all data devices, so that ``k = B // m`` follows the batch size ``B`` at
-      trace time (a batch-size ramp-up keeps the micro-batch, and its activation memory,
-      fixed; one program per batch size). ``m`` must divide ``B`` and be a multiple of
-      the number of data devices.
+    micro_batches: the number ``k`` of micro-batches per call (a positive Python int), or
+      :class:`fxaccum.MicroBatchSize` ``(m)``: micro-batches of ``m`` rows, ``k`` following
+      the batch size at trace time.
     batch_argnums: positional argument(s) holding the batch, split along axis 0.
-    data_axes: mesh axis name(s) the batch's axis 0 is sharded over; ``None`` infers them
-      (see :mod:`fxaccum._sync`).
-    accum_dtype: dtype of the gradient accumulators (float32 by default, also for bf16
-      params). Loss totals are always summed in at least float32, weights in int32 or
-      float32.
     rng_argnums: positional argument(s) holding PRNG keys to fold per micro-batch.
     state_argnums: positional argument(s) threaded through the micro-batches, e.g. flax
       linen's ``batch_stats``: the loss returns each one's new value as an
       :class:`fxaccum.State` in its aux (``has_aux=True``), micro-batch ``i + 1`` receives
       the value micro-batch ``i`` returned, and the aux holds the last one. (Without it, a
       plain aux leaf is averaged over the micro-batches.)
-    fsdp_reduce: for params sharded over a data axis: ``"per_micro_batch"`` (default) or
-      ``"per_step"``.
-    fsdp_gather: for params sharded over a data axis, in the per-device view:
-      ``"per_step"`` (default: gathered once, the compiler hoists the gathers above the
-      loop) or ``"per_micro_batch"`` (gathered at each use in each micro-batch and again
-      in the backward pass, twice the gather traffic per micro-batch, peak memory
-      independent of the whole params' size; needs ``fsdp_reduce="per_micro_batch"``).
-      See docs/performance.md, "ZeRO-3 gathering".
-    bucket_bytes: in the per-device view, gradient leaves that are reduced the same way
-      are reduced together, one collective per bucket of at most this many bytes (2 MiB
-      by default; ``None``: one bucket; ``0``: one collective per leaf), as PyTorch DDP's
-      ``bucket_cap_mb``.
-    reduce: ``False`` defers the data-axis reduction to a cross-step gate: the gradients
-      come back as :class:`fxaccum.Unreduced` per-device sums (the value is still the
-      reduced loss). Feed them to a chain with ``fxaccum.accumulate(k, data_axes=...)``.
-      Params must be replicated over the data axes.
-    view: ``"auto"`` (default), ``"device"`` or ``"global"``; see above.
-    skip_nonfinite: drop a micro-batch whose loss or gradient is not finite: it
-      contributes nothing (weight 0), and its module state update is not kept. The result
-      is that of the batch without those examples. The number of micro-batches skipped
-      (per device in the per-device view, summed over devices) comes back beside the aux:
-      the function returns ``((value, skipped), grads)``, or ``((value, (aux, skipped)),
-      grads)`` with ``has_aux=True``.
-    noise_scale: also return the step's :class:`fxaccum.NoiseScale`, the gradient noise
-      scale's inputs from the micro-batch gradients (docs/diagnostics.md, "Gradient noise
-      scale"): the function then returns ``((value, noise), grads)``, or ``((value, aux,
-      noise), grads)`` with ``has_aux`` (or ``skip_nonfinite``'s count in the aux's place).
-    loss_reduction: ``"mean"`` (default: the weighted mean over micro-batches, see above)
-      or ``"sum"``: the loss is already normalized globally, or is a plain sum (e.g.
-      divided by a global token count, the Hugging Face ``num_items_in_batch`` pattern),
-      and the value and gradients are its sums over the micro-batches (and devices).
+    data_axes: mesh axis name(s) the batch's axis 0 is sharded over; ``None`` infers them
+      (see :mod:`fxaccum._sync`).
     param_shardings: the params' shardings where JAX does not show them (inside
       ``jax.jit`` on an ``Auto`` mesh): a tree of ``PartitionSpec`` / ``NamedSharding``
       (or None) with the structure of the differentiated argument (a tuple of trees for
       a tuple ``argnums``), e.g. from ``nn.get_partition_spec`` or
       ``nnx.get_partition_spec``. FSDP gradients then come back sharded like the params.
       flax NNX ``Variable`` sharding metadata is read without it.
+    accum_dtype: dtype of the gradient accumulators (float32 by default, also for bf16
+      params). Loss totals are always summed in at least float32, weights in int32 or
+      float32.
+    view: ``"auto"`` (default), ``"device"`` or ``"global"``; see above.
+    fsdp: for params sharded over a data axis, in the per-device view: ``"auto"``
+      (default), or one strategy, named after the ZeRO stage whose memory it has during
+      the step: ``"zero1"`` (gathered once, the gradient reduce-scattered once per step:
+      the least communication, whole float32 gradients live), ``"zero2"`` (gathered
+      once, reduce-scattered per micro-batch) or ``"zero3"`` (gathered where used and
+      again in the backward pass, reduce-scattered per micro-batch: the least memory).
+      See docs/sharding.md, "FSDP strategies".
+    skip_nonfinite: drop a micro-batch whose loss or gradient is not finite: it
+      contributes nothing (weight 0), and its module state update is not kept. The result
+      is that of the batch without those examples; a :class:`fxaccum.Statistics` in the
+      aux counts the micro-batches skipped.
 
   Returns:
     A function with the signature of ``fun`` returning ``(value, grads)``, or
-    ``((value, aux), grads)`` with ``has_aux=True`` (see ``skip_nonfinite`` for its
-    count).
+    ``((value, aux), grads)`` with ``has_aux=True``, as ``jax.value_and_grad``'s.
 
   Raises:
     ValueError / TypeError: for a bad ``micro_batches``, overlapping or out-of-range
       argnums, a batch that does not split evenly (per device), unknown ``data_axes``,
-      non-float differentiated leaves, a ``has_aux`` mismatch, or ``view="device"`` with
-      a loss that cannot run per device; all at trace time.
+      non-float differentiated leaves, a ``has_aux`` mismatch, ``view="device"`` with a
+      loss that cannot run per device, or an option this version no longer takes (the
+      message names its new spelling); all at trace time.
 
   Example:
     >>> import jax, jax.numpy as jnp, fxaccum
@@ -260,37 +260,88 @@ def value_and_grad(
     >>> bool(jnp.allclose(value, ref_value)), bool(jnp.allclose(g, ref_g))
     (True, True)
   """
-  config = _make_config(
-      fun, argnums, has_aux, micro_batches=micro_batches,
-      micro_batch_size=micro_batch_size, batch_argnums=batch_argnums,
-      data_axes=data_axes, accum_dtype=accum_dtype, rng_argnums=rng_argnums,
-      state_argnums=state_argnums,
-      fsdp_reduce=fsdp_reduce, fsdp_gather=fsdp_gather, bucket_bytes=bucket_bytes,
-      reduce=reduce, view=view, param_shardings=param_shardings,
-      skip_nonfinite=skip_nonfinite, loss_reduction=loss_reduction, noise_scale=noise_scale)
-  compiled: dict[Any, Callable[..., Any]] = {}  # one jitted program per layout (eager calls)
-
-  @functools.wraps(fun)
-  def value_and_grad_fn(*args, **kwargs):
-    return _call(config, compiled, args, kwargs)
-
-  return value_and_grad_fn
+  return _entry_point(
+      "value_and_grad", fun, argnums, has_aux, removed, reduce=True,
+      micro_batches=micro_batches, batch_argnums=batch_argnums, rng_argnums=rng_argnums,
+      state_argnums=state_argnums, data_axes=data_axes, param_shardings=param_shardings,
+      accum_dtype=accum_dtype, view=view, fsdp=fsdp, skip_nonfinite=skip_nonfinite)
 
 
-def grad(
-    fun: Callable[_P, Any],
-    argnums: int | Sequence[int] = 0,
-    has_aux: bool = False,
-    *,
-    skip_nonfinite: bool = False,
-    noise_scale: bool = False,
-    **options: Unpack[_Options],
-) -> Callable[_P, Any]:
-  """Like ``jax.grad``, over micro-batches; see :func:`value_and_grad` for the arguments.
+@overload
+def value_and_unreduced_grad(
+    fun: Callable[_P, Any], argnums: Argnums = ..., has_aux: Literal[False] = ..., *,
+    micro_batches: MicroBatches, **options: Unpack[Options]
+) -> Callable[_P, tuple[jax.Array, sync.Unreduced]]: ...
+@overload
+def value_and_unreduced_grad(
+    fun: Callable[_P, Any], argnums: Argnums = ..., *, has_aux: Literal[True],
+    micro_batches: MicroBatches, **options: Unpack[Options]
+) -> Callable[_P, tuple[tuple[jax.Array, Any], sync.Unreduced]]: ...
+@overload
+def value_and_unreduced_grad(
+    fun: Callable[_P, Any], argnums: Argnums, has_aux: Literal[True], *,
+    micro_batches: MicroBatches, **options: Unpack[Options]
+) -> Callable[_P, tuple[tuple[jax.Array, Any], sync.Unreduced]]: ...
+@overload
+def value_and_unreduced_grad(
+    fun: Callable[_P, Any], argnums: Argnums = ..., has_aux: bool = ..., *,
+    micro_batches: MicroBatches, **options: Unpack[Options]
+) -> Callable[_P, tuple[Any, sync.Unreduced]]: ...
+def value_and_unreduced_grad(fun: Callable[_P, Any], argnums: Argnums = 0,
+                             has_aux: bool = False, *,
+                             micro_batches: MicroBatches | None = None,
+                             **options: Any) -> Callable[_P, tuple[Any, sync.Unreduced]]:
+  """:func:`value_and_grad` whose gradients stay per device: deferred sync across steps.
 
-  Returns ``grads``, or ``(grads, aux)`` with ``has_aux=True`` (and with
-  ``skip_nonfinite=True``: see :func:`value_and_grad`); with ``noise_scale=True``,
-  ``(grads, noise)`` or ``(grads, (aux, noise))``.
+  The value (and aux) is :func:`value_and_grad`'s; the gradients come back as
+  :class:`fxaccum.Unreduced`, each data-parallel device's sum over its micro-batches and
+  its summed weight, without the data-axis reduction. Feed them to a chain with
+  ``fxaccum.accumulate(k, data_axes=...)`` applied by a gate (:class:`fxaccum.TrainState`,
+  :class:`fxaccum.Optimizer`, :func:`fxaccum.apply_gradients`), which adds them up per
+  device and reduces once per optimizer step. The params must be replicated over the
+  data axes; the loss returns a mean or :class:`fxaccum.Weighted` (the gate averages its
+  calls by their weights). ``options``: :func:`value_and_grad`'s, but ``fsdp``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fxaccum
+    >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+    >>> tx = optax.chain(fxaccum.accumulate(2, data_axes="data"), optax.sgd(0.1))
+    >>> grad_fn = fxaccum.value_and_unreduced_grad(loss, micro_batches=2)
+    >>> n = jax.device_count()
+    >>> with jax.set_mesh(jax.make_mesh((n,), ("data",))):
+    ...   w = jnp.ones(3)
+    ...   opt_state = tx.init(w)
+    ...   for call in range(2):   # the gate reduces the gradients once, in the 2nd call
+    ...     _, g = grad_fn(w, jax.device_put(jnp.ones((4 * n, 3)), jax.P("data")))
+    ...     w, opt_state = fxaccum.apply_gradients(tx, g, opt_state, w)
+    >>> type(g).__name__, [round(float(v), 4) for v in w]   # one SGD step on the mean, 6
+    ('Unreduced', [0.4, 0.4, 0.4])
+  """
+  return _entry_point("value_and_unreduced_grad", fun, argnums, has_aux, options,
+                      reduce=False, micro_batches=micro_batches)
+
+
+@overload
+def grad(fun: Callable[_P, Any], argnums: Argnums = ..., has_aux: Literal[False] = ..., *,
+         micro_batches: MicroBatches, **options: Unpack[_ReducedOptions]) -> Callable[_P, Any]:
+  ...
+@overload
+def grad(fun: Callable[_P, Any], argnums: Argnums = ..., *, has_aux: Literal[True],
+         micro_batches: MicroBatches, **options: Unpack[_ReducedOptions]
+         ) -> Callable[_P, tuple[Any, Any]]: ...
+@overload
+def grad(fun: Callable[_P, Any], argnums: Argnums, has_aux: Literal[True], *,
+         micro_batches: MicroBatches, **options: Unpack[_ReducedOptions]
+         ) -> Callable[_P, tuple[Any, Any]]: ...
+@overload
+def grad(fun: Callable[_P, Any], argnums: Argnums = ..., has_aux: bool = ..., *,
+         micro_batches: MicroBatches, **options: Unpack[_ReducedOptions]) -> Callable[_P, Any]:
+  ...
+def grad(fun: Callable[_P, Any], argnums: Argnums = 0, has_aux: bool = False, *,
+         micro_batches: MicroBatches | None = None, **options: Any) -> Callable[_P, Any]:
+  """Like ``jax.grad``, over micro-batches; see :func:`value_and_grad` for the options.
+
+  Returns ``grads``, or ``(grads, aux)`` with ``has_aux=True``, as ``jax.grad``'s.
 
   Example:
     >>> import jax.numpy as jnp, fxaccum
@@ -300,97 +351,69 @@ def grad(
     >>> fxaccum.grad(loss, micro_batches=2)(jnp.ones(1), x)   # (1 + 3) / 2 tokens
     Array([2.], dtype=float32)
   """
-  value_and_grad_fn = value_and_grad(fun, argnums, has_aux, skip_nonfinite=skip_nonfinite,
-                                     noise_scale=noise_scale, **options)
-  with_aux = has_aux or skip_nonfinite
+  value_and_grad_fn = _entry_point("grad", fun, argnums, has_aux, options, reduce=True,
+                                   micro_batches=micro_batches)
 
   @functools.wraps(fun)
   def grad_fn(*args, **call_kwargs):
     value, grads = value_and_grad_fn(*args, **call_kwargs)
-    if noise_scale:  # value is (value, aux, noise) or (value, noise)
-      return grads, (value[1:] if with_aux else value[1])
-    return (grads, value[1]) if with_aux else grads
+    return (grads, value[1]) if has_aux else grads
 
   return grad_fn
 
 
-def _make_config(fun, argnums, has_aux, *, micro_batches, micro_batch_size, batch_argnums,
-                 data_axes, accum_dtype, rng_argnums, state_argnums, fsdp_reduce,
-                 fsdp_gather, bucket_bytes, reduce, view, param_shardings, skip_nonfinite,
-                 loss_reduction, noise_scale) -> _Config:
-  """Validates ``value_and_grad``'s arguments (all static) into a :class:`_Config`."""
-  if (micro_batches is None) == (micro_batch_size is None):
+def _entry_point(entry: str, fun: Callable[..., Any], argnums: Any, has_aux: bool,
+                 given: dict[str, Any], *, reduce: bool, **options: Any) -> Callable[..., Any]:
+  """The function an entry point returns, from its options (``given``: the keyword
+  arguments it did not name: removed options, or, for :func:`grad`, all of them)."""
+  options = {**options, **{k: v for k, v in given.items() if k not in _REMOVED}}
+  known = set(_ReducedOptions.__annotations__) | {"micro_batches"}
+  for name in given:
+    if name in _REMOVED:
+      raise TypeError(f"fxaccum.{entry} no longer takes {name}=; use {_REMOVED[name]}.")
+    if name not in known or (name == "fsdp" and not reduce):
+      raise TypeError(f"fxaccum.{entry}() got an unexpected keyword argument {name!r}.")
+  config = _make_config(fun, argnums, has_aux, reduce=reduce, **options)
+  compiled: dict[Any, Callable[..., Any]] = {}  # one jitted program per layout (eager calls)
+
+  @functools.wraps(fun)
+  def value_and_grad_fn(*args, **kwargs):
+    return _call(config, compiled, args, kwargs)
+
+  return value_and_grad_fn
+
+
+def _make_config(fun, argnums, has_aux, *, micro_batches=None, batch_argnums=1,
+                 rng_argnums=(), state_argnums=(), data_axes=None, param_shardings=None,
+                 accum_dtype=jnp.float32, view="auto", fsdp="auto", skip_nonfinite=False,
+                 reduce) -> _Config:
+  """Validates the entry points' arguments (all static) into a :class:`_Config`."""
+  if micro_batches is None:
     raise TypeError(
-        "fxaccum.value_and_grad needs exactly one of micro_batches=k (the number of "
-        "micro-batches) and micro_batch_size=m (the rows of one micro-batch across all data "
-        f"devices), got micro_batches={micro_batches!r}, "
-        f"micro_batch_size={micro_batch_size!r}.")
-  if micro_batch_size is not None:
-    micro_batch_size = split.check_micro_batches(micro_batch_size, "micro_batch_size")
-    micro_batches = 1  # set per call from the batch's rows
+        "fxaccum needs micro_batches=k (the number of micro-batches) or "
+        "micro_batches=fxaccum.MicroBatchSize(m) (the rows of one micro-batch across all "
+        "data devices).")
+  micro_batch_size = None
+  if isinstance(micro_batches, MicroBatchSize):
+    micro_batch_size, micro_batches = micro_batches.rows, 1  # k set per call from the rows
   micro_batches = split.check_micro_batches(micro_batches)
   argnums, filters = _nnx.argnums_and_filters(argnums)
   diff_argnums = split.as_argnums(argnums, "argnums")
   batch_argnums_t = split.as_argnums(batch_argnums, "batch_argnums")
   rng_argnums_t = split.as_argnums(rng_argnums, "rng_argnums")
   state_argnums_t = split.as_argnums(state_argnums, "state_argnums")
-  for name, other in (("batch_argnums", batch_argnums_t), ("rng_argnums", rng_argnums_t),
-                      ("state_argnums", state_argnums_t)):
-    overlap = set(diff_argnums) & set(other)
-    if overlap:
-      raise ValueError(
-          f"argnums and {name} overlap at {sorted(overlap)}: fxaccum differentiates with "
-          "respect to shared arguments only. Move the differentiated values out of the batch."
-      )
-  if set(batch_argnums_t) & set(rng_argnums_t):
-    raise ValueError(
-        f"batch_argnums and rng_argnums overlap at "
-        f"{sorted(set(batch_argnums_t) & set(rng_argnums_t))}; keys in the batch are already "
-        "split per micro-batch, so leave them out of rng_argnums."
-    )
-  taken = set(batch_argnums_t) | set(rng_argnums_t)
-  if set(state_argnums_t) & taken:
-    raise ValueError(
-        f"state_argnums {state_argnums_t} overlaps batch_argnums or rng_argnums: a threaded "
-        "argument is neither split nor folded. Name each argument in one of them.")
+  _check_roles(diff_argnums, batch_argnums_t, rng_argnums_t, state_argnums_t)
   if state_argnums_t and not has_aux:
     raise ValueError(
         "state_argnums needs has_aux=True: the loss returns each threaded argument's new "
         "value in its aux, as fxaccum.State(new_value).")
-  choices = (("fsdp_reduce", fsdp_reduce, ("per_micro_batch", "per_step")),
-             ("fsdp_gather", fsdp_gather, ("per_step", "per_micro_batch")),
-             ("view", view, ("auto", "global", "device")),
-             ("loss_reduction", loss_reduction, ("mean", "sum")))
-  for name, value, allowed in choices:
+  for name, value, allowed in (("view", view, ("auto", "global", "device")),
+                               ("fsdp", fsdp, fsdp_lib.STRATEGIES)):
     if value not in allowed:
       raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
-  if fsdp_gather == "per_micro_batch" and fsdp_reduce == "per_step":
-    raise ValueError(
-        "fsdp_gather='per_micro_batch' needs fsdp_reduce='per_micro_batch': a gradient "
-        "reduced once per step is summed whole on every device, which is the memory "
-        "per-use gathering saves. Drop fsdp_reduce='per_step'.")
-  if loss_reduction == "sum" and not reduce:
-    raise ValueError(
-        "loss_reduction='sum' with reduce=False: cross-step accumulation averages its calls "
-        "by their weights. Return fxaccum.Weighted(total, count) from the loss instead.")
-  if noise_scale and (loss_reduction == "sum" or not reduce):
-    raise ValueError(
-        "noise_scale=True needs each micro-batch's mean loss and the step's reduced gradient: "
-        "use the default loss_reduction='mean' (a sum over the batch: return "
-        "fxaccum.Weighted(total, count)) and reduce=True.")
-  if noise_scale and fsdp_gather == "per_micro_batch":
-    raise ValueError(
-        "noise_scale=True with fsdp_gather='per_micro_batch': the gradients come back "
-        "reduce-scattered from the backward pass, so no device holds its own micro-batch's "
-        "gradient to take the norm of. Use the default fsdp_gather='per_step'.")
   accum_dtype = jnp.dtype(accum_dtype)
   if not jnp.issubdtype(accum_dtype, jnp.floating):
     raise TypeError(f"accum_dtype must be a float dtype, got {accum_dtype}.")
-  if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(
-      bucket_bytes, int) or bucket_bytes < 0):
-    raise ValueError(
-        f"bucket_bytes must be a byte count >= 0 (0: one collective per leaf) or None (one "
-        f"bucket), got {bucket_bytes!r}.")
   single_argnum = isinstance(argnums, int)
   if param_shardings is not None:
     param_shardings = (param_shardings,) if single_argnum else tuple(param_shardings)
@@ -400,10 +423,30 @@ def _make_config(fun, argnums, has_aux, *, micro_batches, micro_batch_size, batc
       single_argnum=single_argnum, filters=filters, batch_argnums=batch_argnums_t,
       rng_argnums=rng_argnums_t, state_argnums=state_argnums_t,
       data_axes=None if data_axes is None else _as_axes(data_axes),
-      param_shardings=param_shardings, accum_dtype=accum_dtype, fsdp_reduce=fsdp_reduce,
-      fsdp_gather=fsdp_gather, bucket_bytes=bucket_bytes,
-      reduce=bool(reduce), view=view, skip_nonfinite=bool(skip_nonfinite),
-      loss_reduction=loss_reduction, noise_scale=bool(noise_scale))
+      param_shardings=param_shardings, accum_dtype=accum_dtype, fsdp=fsdp,
+      reduce=reduce, view=view, skip_nonfinite=bool(skip_nonfinite))
+
+
+def _check_roles(diff: tuple[int, ...], batch: tuple[int, ...], rng: tuple[int, ...],
+                 state: tuple[int, ...]) -> None:
+  """Each positional argument has one role: differentiated, split, folded or threaded."""
+  for name, other in (("batch_argnums", batch), ("rng_argnums", rng),
+                      ("state_argnums", state)):
+    overlap = set(diff) & set(other)
+    if overlap:
+      raise ValueError(
+          f"argnums and {name} overlap at {sorted(overlap)}: fxaccum differentiates with "
+          "respect to shared arguments only. Move the differentiated values out of the batch."
+      )
+  if set(batch) & set(rng):
+    raise ValueError(
+        f"batch_argnums and rng_argnums overlap at {sorted(set(batch) & set(rng))}; keys "
+        "in the batch are already split per micro-batch, so leave them out of rng_argnums."
+    )
+  if set(state) & (set(batch) | set(rng)):
+    raise ValueError(
+        f"state_argnums {state} overlaps batch_argnums or rng_argnums: a threaded "
+        "argument is neither split nor folded. Name each argument in one of them.")
 
 
 def _call(config: _Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> Any:
@@ -436,9 +479,10 @@ def _call(config: _Config, compiled: dict, args: Sequence[Any], kwargs: dict) ->
   _check_kwargs(kwargs, rows, config)
   if not config.reduce and any(layout.param_dims):
     raise ValueError(
-        "reduce=False keeps one full gradient per device, so it needs params replicated "
-        "over the data axes, but some params are sharded over them (FSDP). Use reduce=True "
-        "(the default) with a cross-step accumulate() without data_axes."
+        "fxaccum.value_and_unreduced_grad keeps one full gradient per device, so it needs "
+        "params replicated over the data axes, but some params are sharded over them "
+        "(FSDP). Use fxaccum.value_and_grad with a cross-step accumulate() without "
+        "data_axes."
     )
   # Keyword arguments reach `fun` as given (like jax.value_and_grad): not split, not
   # differentiated; an eager call compiles once per layout and static keyword values.
@@ -468,17 +512,17 @@ def _call(config: _Config, compiled: dict, args: Sequence[Any], kwargs: dict) ->
 
 
 def _sized(config: _Config, rows: int, devices: int) -> _Config:
-  """The config for a batch of ``rows`` rows with ``micro_batch_size=m``: ``k = rows // m``."""
+  """The config for a batch of ``rows`` rows with ``MicroBatchSize(m)``: ``k = rows // m``."""
   m = config.micro_batch_size
   assert m is not None
   if rows % m:
     raise ValueError(
-        f"micro_batch_size={m} does not divide the batch's {rows} rows: pass a "
-        f"micro_batch_size that divides every batch size you train with (or a batch of a "
+        f"MicroBatchSize({m}) does not divide the batch's {rows} rows: pass a "
+        f"MicroBatchSize that divides every batch size you train with (or a batch of a "
         f"multiple of {m} rows).")
   if m % devices:
     raise ValueError(
-        f"micro_batch_size={m} splits a micro-batch over {devices} data devices, which "
+        f"MicroBatchSize({m}) splits a micro-batch over {devices} data devices, which "
         f"gives some of them less than one row: use a multiple of {devices} (at least "
         f"{devices}).")
   return dataclasses.replace(config, micro_batches=rows // m)
@@ -531,14 +575,10 @@ class _Config:
   data_axes: tuple[str, ...] | None  # None: inferred per call
   param_shardings: tuple[Any, ...] | None  # one tree per differentiated argument
   accum_dtype: Any
-  fsdp_reduce: FsdpReduce
-  fsdp_gather: FsdpGather
-  bucket_bytes: int | None
-  reduce: bool
+  fsdp: fsdp_lib.Fsdp
+  reduce: bool  # False: value_and_unreduced_grad
   view: _view.View
   skip_nonfinite: bool
-  loss_reduction: LossReduction
-  noise_scale: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -556,9 +596,8 @@ class _Call:
   kwargs: dict[str, Any]
   state: Any = ((), ())
   modules: _nnx.Modules | None = None
-  # Appended by each trace of the loss: whether it returned fxaccum.Weighted (else a mean
-  # over its examples), which says what a micro-batch's size is for noise_scale.
-  weighted: list[bool] = dataclasses.field(default_factory=list, compare=False)
+  # Appended by each trace of the loss: what it returned (see _LossKind).
+  kinds: list[_LossKind] = dataclasses.field(default_factory=list, compare=False)
 
   def batch(self, config: _Config) -> dict[int, Any]:
     return {i: self.rest[i] for i in config.batch_argnums}
@@ -585,14 +624,13 @@ class _Call:
     module_state, sown = after() if after is not None else ((), ())
     loss, aux = _split_output(out, config.has_aux)
     state = (module_state, _threaded(aux, threaded, config))
-    if config.loss_reduction == "sum" and isinstance(loss, Weighted):
+    total, weight, kind = _total_and_weight(loss)
+    if kind == "sum" and not config.reduce:
       raise TypeError(
-          "loss_reduction='sum' adds up the loss as returned, but the loss returned "
-          "fxaccum.Weighted, which is normalized by its weight. Return a scalar (a loss "
-          "already divided by a global count, or a plain sum), or use the default "
-          "loss_reduction='mean'.")
-    total, weight = _total_and_weight(loss)
-    self.weighted.append(isinstance(loss, Weighted))
+          "fxaccum.value_and_unreduced_grad feeds a gate that averages its calls by their "
+          "weights, but the loss returned fxaccum.Sum (already normalized). Return "
+          "fxaccum.Weighted(total, count) from the loss instead.")
+    self.kinds.append(kind)
     return total, weight, aux, state, sown
 
 
@@ -673,8 +711,13 @@ def _split_output(out: Any, has_aux: bool) -> tuple[Any, Any]:
   return out, None
 
 
-def _total_and_weight(loss: Any) -> tuple[jax.Array, jax.Array]:
-  """A micro-batch's ``(total, weight)``: a mean counts as total=mean, weight=1."""
+# What a loss returned: a scalar mean over its micro-batch, fxaccum.Weighted or fxaccum.Sum.
+_LossKind = Literal["mean", "weighted", "sum"]
+
+
+def _total_and_weight(loss: Any) -> tuple[jax.Array, jax.Array, _LossKind]:
+  """A micro-batch's ``(total, weight, kind)``: a mean or a ``Sum`` counts as its total with
+  weight 1 (a ``Sum``'s totals are then added up, not divided by their weights)."""
   if isinstance(loss, Weighted):
     total, weight = jnp.asarray(loss.total), jnp.asarray(loss.weight)
     if total.shape or weight.shape:
@@ -682,14 +725,15 @@ def _total_and_weight(loss: Any) -> tuple[jax.Array, jax.Array]:
           f"Weighted(total, weight) must hold scalars, got shapes {total.shape} and "
           f"{weight.shape}. Sum over the items: Weighted(jnp.sum(mask * l), jnp.sum(mask))."
       )
-    return total, lax.stop_gradient(weight).astype(weight_dtype(weight))
-  loss = jnp.asarray(loss)
-  if loss.shape or not jnp.issubdtype(loss.dtype, jnp.floating):
+    return total, lax.stop_gradient(weight).astype(weight_dtype(weight)), "weighted"
+  kind: _LossKind = "sum" if isinstance(loss, Sum) else "mean"
+  value = jnp.asarray(loss.value if isinstance(loss, Sum) else loss)
+  if value.shape or not jnp.issubdtype(value.dtype, jnp.floating):
     raise TypeError(
-        f"The loss function must return a float scalar (the mean over its micro-batch) or "
-        f"fxaccum.Weighted(total, weight); got {loss.dtype}{list(loss.shape)}."
-    )
-  return loss, jnp.ones((), jnp.int32)
+        f"The loss function must return a float scalar (the mean over its micro-batch), "
+        f"fxaccum.Weighted(total, weight) or fxaccum.Sum(scalar); got "
+        f"{'fxaccum.Sum of ' if kind == 'sum' else ''}{value.dtype}{list(value.shape)}.")
+  return value, jnp.ones((), jnp.int32), kind
 
 
 def _explicit(mesh: Any, axes: Sequence[str]) -> bool:
@@ -735,13 +779,22 @@ def _run(config: _Config, layout: sync.Layout, kwargs: dict, modules: _nnx.Modul
       value_aux, grads, after = _global(config, layout, path, reducible, call)
   if config.single_argnum and not isinstance(grads, sync.Unreduced):
     grads = grads[0]
-  keep_aux = config.has_aux or config.skip_nonfinite
-  if config.noise_scale:  # (value, aux, noise), or (value, noise) without an aux
-    value, aux, terms = value_aux
-    return ((value, aux, _noise_scale(terms, grads)) if keep_aux
-            else (value, _noise_scale(terms, grads)), grads), after
-  result = (value_aux, grads) if keep_aux else (value_aux[0], grads)
-  return result, after
+  value, aux, stats = value_aux
+  if stats is not None:
+    aux = _with_statistics(aux, stats, grads)
+  return ((value, aux) if config.has_aux else value, grads), after
+
+
+def _with_statistics(aux: Any, stats: tuple[jax.Array, jax.Array | None], grads: Any) -> Any:
+  """``aux`` with the step's :class:`fxaccum.Statistics` where the loss asked for them;
+  ``stats`` is the loop's skipped count and summed :data:`_NOISE_TERMS` (None: no noise
+  scale for this step)."""
+  skipped, terms = stats
+  noise = (_noise_scale(terms, grads) if terms is not None and
+           not isinstance(grads, sync.Unreduced) else unavailable_noise_scale())
+  filled = Statistics(skipped=skipped, noise_scale=noise)
+  return jax.tree.map(lambda m: filled if isinstance(m, Statistics) else m, aux,
+                      is_leaf=_is_marker)
 
 
 def _noise_scale(terms: jax.Array, grads: Any) -> NoiseScale:
@@ -754,13 +807,13 @@ def _noise_scale(terms: jax.Array, grads: Any) -> NoiseScale:
 
 def _warn_gathered_by_the_compiler(config: _Config, layout: sync.Layout,
                                    path: _view.Path) -> None:
-  """fsdp_gather='per_micro_batch' gathers in the per-device view only."""
-  if config.fsdp_gather == "per_micro_batch" and any(layout.param_dims):
+  """An FSDP strategy named in ``fsdp=`` applies in the per-device view only."""
+  if config.fsdp != "auto" and any(layout.param_dims):
     warnings.warn(
-        f"fsdp_gather='per_micro_batch' has no effect on this step: it runs in the global "
-        f"view ({path.reason}), where the compiler places the FSDP gathers (above the "
-        "micro-batch loop). view='device' gathers each param where it is used, if the "
-        "loss may run per device.", stacklevel=4)
+        f"fsdp='{config.fsdp}' has no effect on this step: it runs in the global view "
+        f"({path.reason}), where the compiler places the FSDP gathers (above the "
+        "micro-batch loop). view='device' runs the strategy, if the loss may run per "
+        "device.", stacklevel=4)
 
 
 def _direct(config: _Config, layout: sync.Layout, call: _Call) -> Any:
@@ -768,13 +821,12 @@ def _direct(config: _Config, layout: sync.Layout, call: _Call) -> Any:
   reduction of ``jax.value_and_grad``'s program is already one per step, so that program
   runs, without a per-device region or a loop. None where it does not trace (code valid
   only per device, e.g. FSDP params beside a data-sharded batch on an Explicit mesh)."""
-  if (config.micro_batches != 1 or config.view != "auto" or not config.reduce
-      or config.noise_scale):  # noise_scale: each device's gradient is a small batch
+  if config.micro_batches != 1 or config.view != "auto" or not config.reduce:
     return None
   path = _view.Path("global", "one micro-batch: the step runs as jax.value_and_grad runs it",
                     layout.data_axes)
-  try:
-    return _global(config, layout, path, frozenset(), call)
+  try:  # (a loss asking for Statistics raises: its noise scale's small batches are the
+    return _global(config, layout, path, frozenset(), call, direct=True)  # devices' rows)
   except Exception:  # noqa: BLE001 - not runnable on the global batch: decide as for k > 1
     return None
 
@@ -830,7 +882,7 @@ def _decide(config: _Config, layout: sync.Layout, call: _Call) -> _Decision:
         return _Decision(_view.Path("device", "view='device'", axes), reducible, aux)
       if config.view == "global":
         return _Decision(_view.Path("global", "view='global'", axes), reducible)
-      found, what = _view.classify(analysis.outputs, roles, config.loss_reduction)
+      found, what = _view.classify(analysis.outputs, roles, summed=call.kinds[-1] == "sum")
       if not blockers and found is None:
         return _Decision(_view.Path(
             "device", f"the loss is a {what} of per-example terms", axes), reducible, aux)
@@ -1013,8 +1065,10 @@ def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call,
     return _Call(diff_leaves, call.diff_def, rest, jax.tree.unflatten(kw_def, leaves), state,
                  call.modules)
 
+  chosen: list[fsdp_lib.Choice] = []  # the FSDP strategy, chosen in the region
+
   def local(*args):
-    return _device_loop(config, layout, local_call(*args))
+    return _device_loop(config, layout, local_call(*args), chosen=chosen)
 
   in_specs = (param_specs, rest_specs, [P()] * len(arrays), P())
   grad_specs = param_specs if config.reduce else (
@@ -1039,14 +1093,14 @@ def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call,
         probe, mesh=layout.mesh, in_specs=in_specs, out_specs=(), axis_names=set(axes)),
         diff_leaves, rest, arrays, state)
     aux_specs = found["specs"]
-  if config.skip_nonfinite:
-    aux_specs = (aux_specs, P()) if config.has_aux else P()
   region = sync.shard_map_keeping_axes(
       local, mesh=layout.mesh, in_specs=in_specs,
-      out_specs=((P(), aux_specs, *[P()] * config.noise_scale), grad_specs, P()),
-      axis_names=set(axes))
-  with jax.named_scope(_view.record(path)):
+      out_specs=((P(), aux_specs, P()), grad_specs, P()), axis_names=set(axes))
+  scope = _view.record(path)
+  with jax.named_scope(scope):
     value_aux, grad_leaves, after = region(diff_leaves, rest, arrays, state)
+  if chosen:
+    _view.amend(scope, fsdp=f"{chosen[0].strategy}: {chosen[0].reason}")
   return value_aux, _package(config, call, grad_leaves), after
 
 
@@ -1086,7 +1140,7 @@ def _per_rank(config: _Config, layout: sync.Layout, call: _Call):
 
 def _package(config: _Config, call: _Call, grad_leaves) -> Any:
   """The gradient leaves of the device loop as the differentiated arguments' trees, or
-  ``fxaccum.Unreduced`` per-device sums (``reduce=False``)."""
+  ``fxaccum.Unreduced`` per-device sums (:func:`value_and_unreduced_grad`)."""
   if not config.reduce:
     grad_leaves, weight = grad_leaves
     return sync.Unreduced(_unflatten_grads(config, call, grad_leaves), weight)
@@ -1106,19 +1160,24 @@ def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, jax.core.Tracer)) or hasattr(x, "__array__")
 
 
-def _device_loop(config: _Config, layout: sync.Layout, call: _Call, presummed: bool = False):
+def _device_loop(config: _Config, layout: sync.Layout, call: _Call, presummed: bool = False,
+                 chosen: list[fsdp_lib.Choice] | None = None):
   """Inside the data-manual region: local sums over the micro-batches, then reductions
-  (``presummed``: see :func:`_loop`)."""
+  (``presummed``: see :func:`_loop`). The FSDP strategy taken is appended to ``chosen``."""
   axes = layout.data_axes
-  if config.fsdp_gather == "per_micro_batch":
-    _check_gathered_in_the_loop(call.diff_leaves, layout)
-  per_step = config.fsdp_reduce == "per_step"
+  # Varying (per-device) params: jax.grad then returns local partial sums, no psum.
+  shards = sync.vary(list(call.diff_leaves), axes)
+  strategy, traced = "zero2", None
+  if any(layout.param_dims):
+    choice, traced = _fsdp_choice(config, layout, call, shards)
+    strategy = choice.strategy
+    if chosen is not None:
+      chosen.append(choice)
+  per_step = strategy == "zero1"
   # Leaves gathered inside the loop body (FSDP per micro-batch) vs. held whole locally.
   gather_in_loop = [dims if not per_step else () for dims in layout.param_dims]
-  whole = [sync.gather(leaf, dims) if per_step else leaf
-           for leaf, dims in zip(call.diff_leaves, layout.param_dims, strict=True)]
-  # Varying (per-device) params: jax.grad then returns local partial sums, no psum.
-  whole = sync.vary(whole, axes)
+  whole = sync.vary([sync.gather(leaf, dims) for leaf, dims in zip(
+      call.diff_leaves, layout.param_dims, strict=True)], axes) if per_step else shards
 
   def finalize(sums, weight):
     if not config.reduce:  # deferred: packaged below, with this device's weight
@@ -1128,7 +1187,7 @@ def _device_loop(config: _Config, layout: sync.Layout, call: _Call, presummed: b
       # In-loop gathers already reduce-scattered over their axes each micro-batch.
       scattered = {a for _, dim_axes in (loop_dims or dims) for a in dim_axes}
       plans.append(((() if loop_dims else dims), tuple(a for a in axes if a not in scattered)))
-    means = safe_divide(reduce_lib.reduce_leaves(sums, plans, config.bucket_bytes), weight)
+    means = safe_divide(reduce_lib.reduce_leaves(sums, plans, reduce_lib.BUCKET_BYTES), weight)
     return [mean.astype(jnp.result_type(leaf))
             for mean, leaf in zip(means, call.diff_leaves, strict=True)]
 
@@ -1138,43 +1197,69 @@ def _device_loop(config: _Config, layout: sync.Layout, call: _Call, presummed: b
           total + g.astype(total.dtype) for total, g in zip(sums, grads, strict=True)],
       finalize)
   value_aux, grads, local_weight, after = _loop(
-      config, call, axes, whole, gather_in_loop, sums, presummed)
+      config, call, axes, whole, gather_in_loop, sums, presummed, traced=traced)
   if not config.reduce:  # each device's sums, one slot per device
     grads = ([total[None] for total in grads], sync.vary(local_weight, axes)[None])
   return value_aux, grads, after
 
 
-def _check_gathered_in_the_loop(leaves: Sequence[Any], layout: sync.Layout) -> None:
-  """JAX 0.10.2 cannot differentiate an all_gather over a manual data axis of a value also
-  sharded over an ``Explicit`` non-data axis (an AssertionError in its sharding rule,
-  without fxaccum too; docs/sharding.md): such a param is not gathered per micro-batch,
-  and the loss runs in the global view (the caller's fallback, with this reason)."""
+def _fsdp_choice(config: _Config, layout: sync.Layout, call: _Call, shards: list[Any]
+                 ) -> tuple[fsdp_lib.Choice, gather_lib.Traced | None]:
+  """The FSDP strategy of this step (:mod:`fxaccum._fsdp`) and, for zero3, the loss traced
+  on whole params, which its loop runs on the shards."""
+  if config.fsdp in ("zero1", "zero2"):
+    return fsdp_lib.forced(config.fsdp), None
+  blocker = _zero3_blocker(call.diff_leaves, layout)
+  if config.fsdp == "zero3" and blocker:
+    raise ValueError(f"fsdp='zero3' cannot run this step: {blocker}; fsdp='auto' gathers "
+                     "such a param once per step")
+  micro = split.micro_batch(call.batch(config), 0, config.micro_batches)
+  traced = gather_lib.trace(_micro_loss(config, call), shards, layout.param_dims, micro,
+                            jnp.int32(0), call.state)
+  if config.fsdp == "zero3":
+    return fsdp_lib.forced("zero3"), traced
+  choice = fsdp_lib.choose(traced, blocker)
+  return choice, traced if choice.strategy == "zero3" else None
+
+
+def _zero3_blocker(leaves: Sequence[Any], layout: sync.Layout) -> str | None:
+  """Why zero3 cannot gather a param in the loop: JAX 0.10.2 cannot differentiate an
+  all_gather over a manual data axis of a value also sharded over an ``Explicit`` non-data
+  axis (an AssertionError in its sharding rule, without fxaccum too; docs/sharding.md)."""
   for i, (leaf, dims) in enumerate(zip(leaves, layout.param_dims, strict=True)):
     other = {a for entry in jax.typeof(leaf).sharding.spec for a in sync.spec_axes(entry)}
     other -= set(layout.data_axes)
     if dims and _explicit(layout.mesh, sorted(other)):
-      raise ValueError(
-          f"fsdp_gather='per_micro_batch' cannot gather param leaf {i} in the loop: it is "
-          f"sharded over the Explicit axes {sorted(other)} too, and JAX {jax.__version__} "
-          "fails to differentiate such a gather; fsdp_gather='per_step' gathers it once")
+      return (f"param leaf {i} is sharded over the Explicit axes {sorted(other)} too, and "
+              f"JAX {jax.__version__} fails to differentiate its gather inside the loop")
+  return None
+
+
+def _micro_loss(config: _Config, call: _Call) -> Callable[..., Any]:
+  """``fun`` on a micro-batch as the loop differentiates it: ``(whole params, micro-batch,
+  index, state) -> (total, (weight, aux, state, sown))``."""
+  def micro_loss(full, micro, index, state):
+    total, weight, aux, state, sown = call.loss(config, full, micro, index, state)
+    return total, (weight, aux, state, sown)
+  return micro_loss
 
 
 def _global(config: _Config, layout: sync.Layout, path: _view.Path,
-            reducible: frozenset[int], call: _Call):
+            reducible: frozenset[int], call: _Call, direct: bool = False):
   """Global view: the loss on the global micro-batch; leaves in ``reducible`` are typed
   ``reduced`` over the data axes (Explicit meshes) so their gradients stay unreduced
-  through the loop and are reduced once after it."""
+  through the loop and are reduced once after it. ``direct``: see :func:`_loop`."""
   if reducible:
     try:
       return _global_loop(config, layout, path, reducible, call)
     except Exception as err:  # noqa: BLE001 - an op without reduced/unreduced rules
       path = dataclasses.replace(
           path, reason=f"{path.reason}; params not kept reduced ({_first_line(err)})")
-  return _global_loop(config, layout, path, frozenset(), call)
+  return _global_loop(config, layout, path, frozenset(), call, direct)
 
 
 def _global_loop(config: _Config, layout: sync.Layout, path: _view.Path,
-                 reducible: frozenset[int], call: _Call):
+                 reducible: frozenset[int], call: _Call, direct: bool = False):
   axes = layout.data_axes
   specs = [_spec_of(leaf, hint) for leaf, hint in zip(
       call.diff_leaves, layout.param_specs or [None] * len(call.diff_leaves), strict=True)]
@@ -1213,7 +1298,7 @@ def _global_loop(config: _Config, layout: sync.Layout, path: _view.Path,
   path = dataclasses.replace(path, reduced_leaves=sum(map(bool, reduced)), leaves=len(whole))
   with jax.named_scope(_view.record(path)):
     value_aux, grads, _, after = _loop(config, call, (), whole, [()] * len(whole),
-                                          acc.Accumulator(init, update, finalize))
+                                       acc.Accumulator(init, update, finalize), direct=direct)
   return value_aux, grads, after
 
 
@@ -1231,7 +1316,7 @@ def _named(spec: Any) -> set[str]:
 
 
 def _as_unreduced(config: _Config, layout: sync.Layout, call: _Call, sums, weight):
-  """Global-view sums in the per-device form ``reduce=False`` returns: the whole sum in
+  """Global-view sums in the per-device form ``Unreduced`` gives them: the whole sum in
   the first device's slot, zeros in the others (exact; the reduction already ran)."""
   axes = layout.data_axes
   if not axes:
@@ -1252,9 +1337,15 @@ def _as_unreduced(config: _Config, layout: sync.Layout, call: _Call, sums, weigh
 # The micro-batch loop, shared by both views
 
 
+class _StatisticsPerDevice(Exception):
+  """A one-micro-batch step asked for Statistics: its noise scale's small batches are the
+  devices' rows, so it runs per device, not as jax.value_and_grad's program."""
+
+
 def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
           gather_dims: Sequence[sync.DataDims], grads: acc.Accumulator,
-          presummed: bool = False):
+          presummed: bool = False, traced: gather_lib.Traced | None = None,
+          direct: bool = False):
   """The micro-batch loop: ``grads`` sums the gradients, and one accumulator each the loss
   totals, weights and aux outputs, while the module state is threaded through in order;
   ``axes`` are the manual axes the sums are reduced over afterwards.
@@ -1262,62 +1353,150 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
   With ``presummed`` (per-rank code in the caller's shard_map), a loss total, weight or aux
   leaf that depends on the batch but does not vary over some of those axes was summed over
   them by the loss itself (its ``psum``) and is not summed again; the gradients always are.
+  With ``traced`` (``fsdp="zero3"``), the loss traced on whole params runs on the shards
+  ``whole``, gathering each where it is used. ``direct`` (one micro-batch, run as
+  ``jax.value_and_grad`` runs it) raises :class:`_StatisticsPerDevice` for a loss that asks
+  for :class:`fxaccum.Statistics`.
 
-  Returns ``((value, aux[, noise terms]), grads, local_weight, (state, sown))``: ``grads`` as
-  ``grads.finalize`` gives them, ``local_weight`` this device's share of the summed loss
-  weight (the shares add up to it over ``axes``), ``sown`` the values sown per
-  micro-batch, stacked.
+  Returns ``((value, aux, statistics), grads, local_weight, (state, sown))``: ``grads`` as
+  ``grads.finalize`` gives them, ``statistics`` None or the skipped count and the summed
+  :data:`_NOISE_TERMS` (None where the step has no noise scale), ``local_weight`` this
+  device's share of the summed loss weight (the shares add up to it over ``axes``),
+  ``sown`` the values sown per micro-batch, stacked.
   """
-  k = config.micro_batches
-  batch = call.batch(config)
-
-  def gathered(leaves):  # FSDP leaves gathered in the loop, still varying (local grads)
-    return sync.vary([sync.gather(leaf, dims) for leaf, dims in zip(leaves, gather_dims,
-                                                                   strict=True)], axes)
-
-  def micro_loss(full, index, state):
-    micro = split.micro_batch(batch, index, k)
-    total, weight, aux, state, sown = call.loss(config, full, micro, index, state)
-    return total, (weight, aux, state, sown)
-
-  per_use = config.fsdp_gather == "per_micro_batch" and any(gather_dims)
-
-  def step(leaves, index, state):  # one micro-step: value and local gradients
-    if per_use:  # the shards tied to the loop index: no gather is hoisted above the loop
-      leaves, _ = lax.optimization_barrier((leaves, index))
-      return gather_lib.value_and_grad(micro_loss, leaves, gather_dims, index, state)
-    return jax.value_and_grad(micro_loss, has_aux=True)(gathered(leaves), index, state)
-
+  step = _micro_step(config, call, axes, gather_dims, traced)
   # The micro-step is traced once: its outputs (abstract, with the manual axes each varies
   # over) shape the accumulators, and the loop body runs its jaxpr.
   closed, shapes = jax.make_jaxpr(step, return_shape=True)(whole, jnp.int32(0), call.state)
-  out_def = jax.tree.structure(shapes)
-  (total_aval, (weight_aval, aux_avals, _, _)), _ = jax.tree.unflatten(
-      out_def, closed.out_avals)
-  summed = _summed_over(closed, axes, batch, presummed)
-  (total_axes, (weight_axes, aux_axes, _, _)), _ = jax.tree.unflatten(
-      out_def, [frozenset(axes) if s is None else s for s in summed])
-  (_, (constant_weight, _, _, _)), _ = jax.tree.unflatten(out_def, [s is None for s in summed])
-  if constant_weight:  # the same on every device (a scalar loss's 1): summed like the total
-    weight_axes = total_axes
-  traced_step = jcore.jaxpr_as_fun(closed)
-  markers = jax.tree.leaves(aux_avals, is_leaf=_is_marker)
-  _warn_batch_shaped(config, call, whole, gather_dims, markers)
-  total = acc.summed(total_aval, _ordered(axes, total_axes),
-                     jnp.promote_types(total_aval.dtype, jnp.float32))
-  weight = acc.summed(weight_aval, _ordered(axes, weight_axes))
-  aux = acc.combined([
-      acc.for_aux(marker, jax.tree.map(functools.partial(_ordered, axes), marker_axes), k)
-      for marker, marker_axes in zip(markers, jax.tree.leaves(aux_axes, is_leaf=_is_marker),
-                                     strict=True)])
-  skipped = acc.summed(jax.ShapeDtypeStruct((), jnp.int32), axes)  # skip_nonfinite's count
-  noise = acc.summed(jax.ShapeDtypeStruct((len(_NOISE_TERMS),), jnp.float32), axes)
-  sums = acc.combined([grads, total, weight, aux, skipped, *[noise] * config.noise_scale])
-  if config.noise_scale:
-    _check_noise_scale(weight_axes, axes)
-    # The examples a unit of loss weight stands for: a mean loss weighs 1 and stands for
-    # the micro-batch's rows, a Weighted one counts its own items.
-    rows_per_weight = 1 if call.weighted[-1] else jax.tree.leaves(batch)[0].shape[0] // k
+  sums = _Sums.of(config, call, closed, shapes, axes, presummed, grads, noise=traced is None)
+  if direct and sums.statistics:
+    raise _StatisticsPerDevice()
+  _warn_batch_shaped(config, call, whole, gather_dims, sums.markers)
+  init = (sums.accumulator.init(), call.state)
+  body = _loop_body(config, jcore.jaxpr_as_fun(closed), jax.tree.structure(shapes), sums,
+                    init, whole, gather_dims, axes, zero3=traced is not None)
+  if config.micro_batches == 1:  # one micro-batch: no loop, the step as jax.value_and_grad
+    (carry, state), sown = body(init, jnp.int32(0))  # runs it
+    sown = jax.tree.map(lambda x: x[None], sown)
+  else:
+    (carry, state), sown = lax.scan(body, init, jnp.arange(config.micro_batches))
+  with jax.named_scope("fxaccum_reduce"):
+    value_aux, grad_values, local_weight = sums.finalize(carry, axes)
+  return value_aux, grad_values, local_weight, (state, sown)
+
+
+def _micro_step(config: _Config, call: _Call, axes: tuple[str, ...],
+                gather_dims: Sequence[sync.DataDims], traced: gather_lib.Traced | None
+                ) -> Callable[..., Any]:
+  """One micro-step, ``(params, index, state) -> ((total, (weight, aux, state, sown)),
+  local gradients)``: FSDP leaves gathered (``gather_dims``) as the compiler places it,
+  or (``traced``) where the loss uses them."""
+  batch = call.batch(config)
+  micro_loss = _micro_loss(config, call)
+
+  def step(leaves, index, state):
+    micro = split.micro_batch(batch, index, config.micro_batches)
+    if traced is not None:  # the shards tied to the loop index: no gather is hoisted above
+      leaves, _ = lax.optimization_barrier((leaves, index))  # the loop
+      return gather_lib.value_and_grad(traced, leaves, micro, index, state)
+    full = sync.vary([sync.gather(leaf, dims) for leaf, dims in zip(
+        leaves, gather_dims, strict=True)], axes)  # still varying: local gradients
+    return jax.value_and_grad(micro_loss, has_aux=True)(full, micro, index, state)
+
+  return step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sums:
+  """The loop's accumulators: the gradients', the loss total and weight, each aux marker's,
+  the skipped count and (where the step has one) the noise scale's terms, and all of them
+  together (``accumulator``, over lists of the values in that order)."""
+
+  grads: acc.Accumulator
+  total: acc.Accumulator
+  weight: acc.Accumulator
+  aux: acc.Accumulator
+  skipped: acc.Accumulator
+  noise: acc.Accumulator | None
+  total_aval: Any
+  aux_def: Any  # the aux's tree structure, its markers as leaves
+  markers: list[Any]
+  weight_axes: frozenset[str]
+  kind: _LossKind
+  statistics: bool  # whether the aux asks for Statistics
+  rows_per_weight: int  # the examples a unit of loss weight stands for (noise scale)
+
+  @property
+  def accumulator(self) -> acc.Accumulator:
+    return acc.combined([self.grads, self.total, self.weight, self.aux, self.skipped,
+                         *([self.noise] if self.noise else [])])
+
+  @staticmethod
+  def of(config: _Config, call: _Call, closed: Any, shapes: Any, axes: tuple[str, ...],
+         presummed: bool, grads: acc.Accumulator, noise: bool) -> _Sums:
+    out_def = jax.tree.structure(shapes)
+    (total_aval, (weight_aval, aux_avals, _, _)), _ = jax.tree.unflatten(
+        out_def, closed.out_avals)
+    summed = _summed_over(closed, axes, call.batch(config), presummed)
+    (total_axes, (weight_axes, aux_axes, _, _)), _ = jax.tree.unflatten(
+        out_def, [frozenset(axes) if s is None else s for s in summed])
+    (_, (constant_weight, _, _, _)), _ = jax.tree.unflatten(out_def, [s is None for s in summed])
+    if constant_weight:  # the same on every device (a scalar loss's 1): summed like the total
+      weight_axes = total_axes
+    markers = jax.tree.leaves(aux_avals, is_leaf=_is_marker)
+    kind = call.kinds[-1]
+    statistics = any(isinstance(m, Statistics) for m in markers)
+    # The noise scale's small batches are each device's share of a micro-batch (or the
+    # global micro-batch): a device's gradient must be that share's, not yet reduced, of a
+    # mean loss, and the step's gradient must be reduced.
+    noise = (statistics and noise and config.reduce and kind != "sum"
+             and set(weight_axes) == set(axes))
+    batch_rows = jax.tree.leaves(call.batch(config))[0].shape[0]
+    return _Sums(
+        grads=grads,
+        total=acc.summed(total_aval, _ordered(axes, total_axes),
+                         jnp.promote_types(total_aval.dtype, jnp.float32)),
+        weight=acc.summed(weight_aval, _ordered(axes, weight_axes)),
+        aux=acc.combined([
+            acc.for_aux(m, jax.tree.map(functools.partial(_ordered, axes), m_axes),
+                        config.micro_batches)
+            for m, m_axes in zip(markers, jax.tree.leaves(aux_axes, is_leaf=_is_marker),
+                                 strict=True)]),
+        skipped=acc.summed(jax.ShapeDtypeStruct((), jnp.int32), axes),
+        noise=acc.summed(jax.ShapeDtypeStruct((len(_NOISE_TERMS),), jnp.float32), axes)
+        if noise else None,
+        total_aval=total_aval, aux_def=jax.tree.structure(aux_avals, is_leaf=_is_marker),
+        markers=markers, weight_axes=weight_axes, kind=kind, statistics=statistics,
+        # A mean loss weighs 1 and stands for the micro-batch's rows; a Weighted one
+        # counts its own items.
+        rows_per_weight=1 if kind == "weighted" else batch_rows // config.micro_batches)
+
+  def finalize(self, carry: list[Any], axes: tuple[str, ...]):
+    """``((value, aux, statistics), grads, local_weight)`` of the summed ``carry``."""
+    grad_sums, total_sum, weight_sum, aux_sums, skipped_sum, *noise_sums = carry
+    shared = [a for a in axes if a not in self.weight_axes]
+    local_weight = weight_sum.astype(jnp.float32) / math.prod(
+        lax.axis_size(a) for a in shared)
+    summed_weight = self.weight.finalize(weight_sum, None)
+    # The aux is averaged with the loss weights; the value and gradients are normalized
+    # by them, or (a Sum loss) left as sums over the micro-batches.
+    norm = jnp.ones_like(summed_weight) if self.kind == "sum" else summed_weight
+    aux = jax.tree.unflatten(self.aux_def, self.aux.finalize(aux_sums, summed_weight))
+    value = safe_divide(self.total.finalize(total_sum, norm), norm).astype(
+        self.total_aval.dtype)
+    statistics = None
+    if self.statistics:
+      statistics = (self.skipped.finalize(skipped_sum, summed_weight),
+                    self.noise.finalize(noise_sums[0], None) if self.noise else None)
+    return (value, aux, statistics), self.grads.finalize(grad_sums, norm), local_weight
+
+
+def _loop_body(config: _Config, traced_step: Callable[..., Any], out_def: Any, sums: _Sums,
+               init: Any, whole: list[Any], gather_dims: Sequence[sync.DataDims],
+               axes: tuple[str, ...], zero3: bool) -> Callable[..., Any]:
+  """The scan body over micro-batch indices: ``((sums, state), index) -> ((sums, state),
+  sown)``, its carry typed like ``init``."""
+  accumulator = sums.accumulator
 
   def body(carry, index):
     sums_carry, old_state = carry
@@ -1327,50 +1506,26 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
     (loss_total, (loss_weight, aux_values, state, sown)), grad_values = jax.tree.unflatten(
         out_def, outs)
     # This device's (or, global view, the micro-batch's) gradient, before any reduction.
-    sq_norm = _sq_norm(grad_values) if config.noise_scale else 0.0
-    if any(gather_dims) and not per_use:  # local gradients, reduce-scattered in buckets
+    sq_norm = _sq_norm(grad_values) if sums.noise else 0.0
+    if any(gather_dims) and not zero3:  # local gradients, reduce-scattered in buckets
       grad_values = reduce_lib.reduce_leaves(
-          grad_values, [(dims, ()) for dims in gather_dims], config.bucket_bytes)
+          grad_values, [(dims, ()) for dims in gather_dims], reduce_lib.BUCKET_BYTES)
     values = [grad_values, loss_total, loss_weight,
               jax.tree.leaves(aux_values, is_leaf=_is_marker), jnp.zeros((), jnp.int32)]
     if config.skip_nonfinite:  # a non-finite micro-batch contributes nothing
       good = all_finite((loss_total, grad_values))
+      if zero3 and axes:  # reduce-scattered gradients mix the devices' shares: all skip
+        good = lax.pmin(good.astype(jnp.int32), axes).astype(bool)
       values, state = _drop_unless(good, values, state, old_state)
       loss_weight = values[2]
-    if config.noise_scale:  # after the skip: a skipped micro-batch weighs 0
-      values.append(_noise_terms(sq_norm, loss_weight, rows_per_weight))
+    if sums.noise:  # after the skip: a skipped micro-batch weighs 0
+      values.append(_noise_terms(sq_norm, loss_weight, sums.rows_per_weight))
     threaded = iter(state[1])  # a State aux is the threaded value the loop carries on
     values[3] = [State(next(threaded)) if isinstance(m, State) else m for m in values[3]]
-    carry = (sums.update(sums_carry, values, index, loss_weight), state)
+    carry = (accumulator.update(sums_carry, values, index, loss_weight), state)
     return _retyped(carry, like=init, axes=axes), sown
 
-  init = (sums.init(), call.state)
-  if k == 1:  # one micro-batch: no loop, the step as jax.value_and_grad runs it
-    (sums_carry, state), sown = body(init, jnp.int32(0))
-    sown = jax.tree.map(lambda x: x[None], sown)
-  else:
-    (sums_carry, state), sown = lax.scan(body, init, jnp.arange(k))
-  grad_sums, total_sum, weight_sum, aux_sums, skipped_sum, *noise_sums = sums_carry
-
-  with jax.named_scope("fxaccum_reduce"):
-    shared = [a for a in axes if a not in weight_axes]
-    local_weight = weight_sum.astype(jnp.float32) / math.prod(
-        lax.axis_size(a) for a in shared)
-    summed_weight = weight.finalize(weight_sum, None)
-    # The aux is averaged with the loss weights; the value and gradients are normalized
-    # by them, or (loss_reduction="sum") left as sums over the micro-batches.
-    norm = summed_weight if config.loss_reduction == "mean" else jnp.ones_like(summed_weight)
-    aux_values = jax.tree.unflatten(jax.tree.structure(aux_avals, is_leaf=_is_marker),
-                                    aux.finalize(aux_sums, summed_weight))
-    if config.skip_nonfinite:  # documented: beside the aux, or in its place
-      count = skipped.finalize(skipped_sum, summed_weight)
-      aux_values = (aux_values, count) if config.has_aux else count
-    value = safe_divide(total.finalize(total_sum, norm), norm).astype(total_aval.dtype)
-    grad_values = grads.finalize(grad_sums, norm)
-    value_aux: tuple[Any, ...] = (value, aux_values)
-    if config.noise_scale:  # the small batches' terms, summed over them
-      value_aux += (noise.finalize(noise_sums[0], None),)
-  return value_aux, grad_values, local_weight, (state, sown)
+  return body
 
 
 # Per small batch i (a micro-batch, per device in the per-device view) of loss weight w_i,
@@ -1392,17 +1547,6 @@ def _sq_norm(tree: Any) -> jax.Array:
   """The squared norm of every leaf of ``tree`` together, in float32."""
   return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)),
              jnp.float32(0))
-
-
-def _check_noise_scale(weight_axes: frozenset[str], axes: tuple[str, ...]):
-  """noise_scale's small batches are each device's share of a micro-batch (or the global
-  micro-batch): the device's gradient must be that share's gradient, not yet reduced."""
-  if set(weight_axes) != set(axes):
-    raise ValueError(
-        f"noise_scale=True inside a shard_map where the loss sums its weight over "
-        f"{sorted(set(axes) - set(weight_axes))} itself (e.g. sequence parallelism): a "
-        f"device's gradient is then a part of a small batch's gradient, not one of its "
-        f"own. Call fxaccum.value_and_grad outside the shard_map to get the noise scale.")
 
 
 def _summed_over(closed: jax.extend.core.ClosedJaxpr, axes: tuple[str, ...], batch: Any,
@@ -1461,7 +1605,7 @@ def _drop_unless(good: jax.Array, values: list[Any], state: Any,
 
 
 def _is_marker(x: Any) -> bool:
-  return isinstance(x, (Weighted, Sum, Max, Min, Concat, State))
+  return isinstance(x, (Weighted, Sum, Max, Min, Concat, State, Statistics))
 
 
 def _ordered(axes: tuple[str, ...], subset: frozenset[str]) -> tuple[str, ...]:

@@ -35,7 +35,7 @@ def _trace_sigma(small_sq, big_sq, small_batch, big_batch):
 
 
 class NoiseScale(NamedTuple):
-  """One step's gradient noise statistics (``value_and_grad(..., noise_scale=True)``).
+  """One step's gradient noise statistics (:class:`fxaccum.Statistics` ``.noise_scale``).
 
   The two-batch estimator of McCandlish et al. 2018, App. A.1: micro-batch gradients
   ``g_i`` (each the gradient of one micro-batch's mean loss; per device in the per-device

@@ -138,9 +138,10 @@ def plan_micro_batches(
   back compiled (no second compile).
 
   The figures are the compiler's: on GPU/TPU, leave room for what it does not see (see
-  ``budget_bytes``). ``micro_batch_size=`` in :func:`fxaccum.value_and_grad` is the other
-  way to bound activation memory: it fixes the rows of one micro-batch as the batch grows,
-  where this picks ``k`` for one batch size from measured figures (docs/choosing_k.md).
+  ``budget_bytes``). ``micro_batches=fxaccum.MicroBatchSize(m)`` in
+  :func:`fxaccum.value_and_grad` is the other way to bound activation memory: it fixes the
+  rows of one micro-batch as the batch grows, where this picks ``k`` for one batch size
+  from measured figures (docs/choosing_k.md).
 
   Args:
     make_step: ``k -> `` the jitted train step (typically with donated params and

@@ -8,6 +8,7 @@ rows between devices of a data-sharded batch.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -16,7 +17,32 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["check_micro_batches", "leading_size", "micro_batch", "fold"]
+__all__ = ["MicroBatchSize", "check_micro_batches", "leading_size", "micro_batch", "fold"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatchSize:
+  """``micro_batches=MicroBatchSize(m)``: micro-batches of ``m`` rows (over all data
+  devices together), so their number ``k = B // m`` follows the batch size ``B`` at trace
+  time: a batch-size ramp-up keeps the micro-batch, and its activation memory, fixed (one
+  program per batch size). ``m`` must divide ``B`` and be a multiple of the number of data
+  devices.
+
+  Attributes:
+    rows: the rows ``m`` of one micro-batch, a positive int.
+
+  Example:
+    >>> import jax.numpy as jnp, fxaccum
+    >>> loss = lambda w, x: jnp.mean(x * w)
+    >>> g = fxaccum.grad(loss, micro_batches=fxaccum.MicroBatchSize(2))
+    >>> g(jnp.ones(1), jnp.arange(8.0).reshape(8, 1))   # 4 micro-batches of 2 rows
+    Array([3.5], dtype=float32)
+  """
+
+  rows: int
+
+  def __post_init__(self):
+    check_micro_batches(self.rows, "MicroBatchSize's rows")
 
 
 def check_micro_batches(micro_batches: Any, name: str = "micro_batches") -> int:

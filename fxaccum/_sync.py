@@ -103,7 +103,7 @@ class Layout:
 class Unreduced:
   """Gradients not yet reduced over the data-parallel devices.
 
-  Returned by ``fxaccum.value_and_grad(..., reduce=False)`` and consumed by a gate whose
+  Returned by ``fxaccum.value_and_unreduced_grad`` and consumed by a gate whose
   chain has ``fxaccum.accumulate(k, data_axes=...)``, which adds them up per device and
   reduces once per optimizer step (deferred sync).
 
@@ -119,7 +119,7 @@ class Unreduced:
     >>> n = jax.device_count()
     >>> with jax.set_mesh(jax.make_mesh((n,), ("data",))):
     ...   x = jax.device_put(jnp.ones((2 * n, 1)), jax.P("data"))
-    ...   _, g = jax.jit(fxaccum.value_and_grad(loss, micro_batches=2, reduce=False))(
+    ...   _, g = jax.jit(fxaccum.value_and_unreduced_grad(loss, micro_batches=2))(
     ...       jnp.ones(1), x)
     >>> g.total.shape == (n, 1), g.total.sharding.spec[0]   # one partial sum per device
     (True, 'data')

@@ -152,7 +152,7 @@ def accumulate(
       A call of weight 0 adds exactly nothing either way, even with NaN gradients.
     data_axes: data-parallel mesh axes for *deferred* sync: the accumulator keeps one
       partial sum per device and the gradient is all-reduced once, inside the window's
-      last call. Feed it with ``fxaccum.value_and_grad(..., reduce=False)``. ``None``
+      last call. Feed it with ``fxaccum.value_and_unreduced_grad``. ``None``
       (default): gradients arrive already reduced, one reduction per call.
 
   Returns:
@@ -323,7 +323,7 @@ def apply_gradients(
   Args:
     tx: an optax chain containing exactly one :func:`accumulate`.
     grads: this call's gradient (the params' structure), or ``fxaccum.Unreduced`` from
-      ``fxaccum.value_and_grad(..., reduce=False)`` with ``accumulate(data_axes=...)``.
+      ``fxaccum.value_and_unreduced_grad`` with ``accumulate(data_axes=...)``.
     opt_state: ``tx``'s state.
     params: the params.
     weight: this call's weight, e.g. its number of valid tokens (default 1: calls weigh
@@ -445,12 +445,12 @@ def _add(config: _Config, state: AccumulateState, grads: Any, weight: Any,
       raise TypeError(
           "Got fxaccum.Unreduced gradients (per-device partial sums), but accumulate was "
           "built without data_axes. Use fxaccum.accumulate(k, data_axes=...) or compute "
-          "reduced gradients (reduce=True, the default)."
+          "reduced gradients (fxaccum.value_and_grad, jax.grad)."
       )
     raise TypeError(
         f"accumulate(data_axes={config.data_axes}) keeps per-device partial sums and needs "
         "fxaccum.Unreduced gradients: compute them with "
-        "fxaccum.value_and_grad(..., reduce=False)."
+        "fxaccum.value_and_unreduced_grad."
     )
   if unreduced:
     if weight is not None:

@@ -25,7 +25,7 @@ from typing import Literal
 
 from fxaccum import _analysis
 
-__all__ = ["Path", "View", "classify", "record", "recorded"]
+__all__ = ["Path", "View", "amend", "classify", "record", "recorded"]
 
 View = Literal["auto", "global", "device"]
 
@@ -42,6 +42,10 @@ class Path:
     reduced_leaves: in the global view, how many differentiated leaves were kept
       ``reduced`` through the loop (their gradients reduced once, after it).
     leaves: how many leaves were differentiated.
+    fsdp: for params sharded over a data axis, the strategy that gathered and reduced
+      them and why (e.g. ``"zero3: params stacked over layers are scanned: ..."``), or
+      ``""`` where fxaccum placed none (no such params, or the global view, where the
+      compiler places them).
 
   Example:
     >>> from fxaccum.diagnostics import Path
@@ -55,11 +59,13 @@ class Path:
   data_axes: tuple[str, ...]
   reduced_leaves: int = 0
   leaves: int = 0
+  fsdp: str = ""
 
   def __str__(self) -> str:
     extra = (f" ({self.reduced_leaves} of {self.leaves} leaves reduced once)"
              if self.view == "global" and self.data_axes else "")
-    return f"{self.view} view over {self.data_axes}: {self.reason}{extra}"
+    fsdp = f"; FSDP {self.fsdp}" if self.fsdp else ""
+    return f"{self.view} view over {self.data_axes}: {self.reason}{extra}{fsdp}"
 
 
 _PATHS: dict[int, Path] = {}
@@ -72,6 +78,13 @@ def record(path: Path) -> str:
   index = next(_IDS)
   _PATHS[index] = path
   return f"fxaccum_path_{index}"
+
+
+def amend(scope: str, **changes: object) -> None:
+  """Changes fields of the path :func:`record` registered as ``scope`` (e.g. the FSDP
+  strategy, chosen while the region it names is traced)."""
+  index = int(scope.removeprefix("fxaccum_path_"))
+  _PATHS[index] = dataclasses.replace(_PATHS[index], **changes)  # type: ignore[arg-type]
 
 
 def recorded(hlo_text: str) -> list[Path]:
@@ -99,13 +112,13 @@ def _lam(kind: _analysis.Kind) -> float | None:
 
 
 def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role],
-             loss_reduction: str = "mean") -> tuple[str | None, str]:
+             summed: bool = False) -> tuple[str | None, str]:
   """Whether per-device results combine into the global ones.
 
   Per device, fxaccum adds up the totals and the weights (a scalar loss has weight 1)
   and divides once. That is the global ratio when total and weight scale alike from the
-  devices to the whole (both sums over examples, or both means); with
-  ``loss_reduction="sum"`` the totals are only added up, so the loss must be a sum over
+  devices to the whole (both sums over examples, or both means); a loss returned as
+  ``fxaccum.Sum`` (``summed``) has its totals only added up, so it must be a sum over
   examples. Each gradient must add up from the devices like the total (the gradient of a
   mean is a mean, whatever derivative rules produced it). A plain aux leaf, averaged
   with the devices' weights, must be batch-independent, or a mean while the weight is a
@@ -143,8 +156,8 @@ def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role],
       return ("a Sum aux leaf is no sum over examples (per device it would be counted once "
               "per device)"), ""
   total_lam = lams[roles.index("total")]
-  if loss_reduction == "sum" and total_lam != 0:
-    return ("loss_reduction='sum' adds up the per-device losses, but the loss is no sum "
+  if summed and total_lam != 0:
+    return ("a loss returned as fxaccum.Sum is added up over the devices, but it is no sum "
             "over examples (e.g. a mean over this micro-batch: per device it would be "
             "counted once per device)"), ""
   for kind, role, lam in zip(outputs, roles, lams, strict=True):
@@ -153,7 +166,7 @@ def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role],
       return ("a gradient does not add up over the devices like the loss (e.g. a custom "
               "derivative rule that scales with the number of examples)"), ""
   pairs = [(i, i + 1) for i, role in enumerate(roles)
-           if role == "aux_total" or (role == "total" and loss_reduction == "mean")]
+           if role == "aux_total" or (role == "total" and not summed)]
   for a, b in pairs:
     if lams[a] != lams[b]:
       what = "loss" if roles[a] == "total" else "Weighted aux leaf"

@@ -77,7 +77,8 @@ def planned(params, data) -> dict[str, np.ndarray]:
   mesh = jax.make_mesh((8,), ("data",))
 
   def make_step(k):
-    return jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=k, noise_scale=True))
+    return jax.jit(fxaccum.value_and_grad(lambda *a: (weighted_loss(*a), fxaccum.Statistics()),
+                                          has_aux=True, micro_batches=k))
 
   with jax.set_mesh(mesh):
     args = put(params, mesh, {}), put(data, mesh, DATA)
@@ -87,10 +88,10 @@ def planned(params, data) -> dict[str, np.ndarray]:
                                        candidates=[1], progress=False)
     plan = fxaccum.plan_micro_batches(make_step, *abstract, progress=False,
                                       budget_bytes=roomy.peak_bytes - 1)
-    (_, noise), _ = plan.step(*args)
+    (_, stats), _ = plan.step(*args)
   return {"plan/k": np.array(plan.micro_batches),
           "plan/peaks": np.array([row.peak_bytes for row in plan.table]),
-          **gathered("plan/noise", noise._asdict())}
+          **gathered("plan/noise", stats.noise_scale._asdict())}
 
 
 def sequence_parallel(out_dir: str) -> dict[str, np.ndarray]:

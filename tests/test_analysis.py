@@ -180,7 +180,7 @@ SIZE_DEPENDENT = {
     "last_index_of_arange_n": lambda w, x: jnp.sum(_per_row(w, x)) / (
         jnp.arange(x.shape[0])[-1] + 1.0),
     "custom_jvp_rule_mixes_rows": lambda w, x: jnp.mean(_rows_mixing_jvp(x @ w) ** 2),
-    "mean_with_loss_reduction_sum": lambda w, x: jnp.mean(_per_row(w, x)),
+    "mean_returned_as_a_sum": lambda w, x: jnp.mean(_per_row(w, x)),
     # sqrt(n) through an op the analysis has no rule for (cholesky): it once passed the
     # row count's scaling through unchanged, took this for a mean and was 0.65 wrong.
     "sum_over_sqrt_n_by_an_unknown_op": lambda w, x: jnp.sum(_per_row(w, x)) / jnp.linalg.cholesky(
@@ -232,7 +232,7 @@ _clip_per_example.defvjp(lambda x: (x, None), lambda _, g: (g * jnp.minimum(
 
 # Exact in either view, and provably per-example: the fast path (each was global before).
 PER_EXAMPLE = {
-    "sum_with_loss_reduction_sum": lambda w, x: jnp.sum(_per_row(w, x)),
+    "sum_returned_as_a_sum": lambda w, x: jnp.sum(_per_row(w, x)),
     "sum_over_a_global_count": lambda w, x: jnp.sum(_per_row(w, x)) / 64.0,
     "custom_vjp_per_example_clipping": lambda w, x: fxaccum.Weighted(
         jnp.sum(_clip_per_example(x @ w) ** 2), jnp.float32(x.shape[0])),
@@ -250,7 +250,7 @@ PER_EXAMPLE = {
     "integer_labels_from_a_cast": lambda w, x: jnp.mean(
         _per_row(w, x) * (x[:, 0] > 0).astype(jnp.int32)),
 }
-SUMMED = {"mean_with_loss_reduction_sum", "sum_with_loss_reduction_sum",
+SUMMED = {"mean_returned_as_a_sum", "sum_returned_as_a_sum",
           "sum_over_a_global_count", "a_position_from_top_k_added_to_a_sum",
           "a_remainder_added_to_a_sum"}
 KS = (1, 2, 4)
@@ -274,10 +274,10 @@ def micro_reference(loss, w, x, k, summed):
 def test_losses_that_depend_on_the_number_of_rows(name, axis_type):
   loss = SIZE_DEPENDENT.get(name) or PER_EXAMPLE[name]
   summed = name in SUMMED
-  options = {"loss_reduction": "sum"} if summed else {}
   x = np.random.default_rng(3).normal(size=(ROWS, DIM)).astype(np.float32)
   w = (0.5 * np.random.default_rng(4).normal(size=(DIM, OUT))).astype(np.float32)
-  fns = {k: fxaccum.value_and_grad(loss, micro_batches=k, **options) for k in KS}
+  returned = (lambda w, x: fxaccum.Sum(loss(w, x))) if summed else loss  # a Sum: added up
+  fns = {k: fxaccum.value_and_grad(returned, micro_batches=k) for k in KS}
   step = jax.jit(lambda w, x: {k: f(w, x) for k, f in fns.items()})
   mesh = mesh_of((8,), ("data",), axis_type)
   with jax.set_mesh(mesh):

@@ -36,7 +36,8 @@ def test_suite_quick_run(tmp_path):
       assert abs(ratio - k) < 0.01, (method, k, ratio)
 
   for name, setup in setups.items():
-    for method in ("fxaccum", "fxaccum_cross", "fxaccum_per_step", "fxaccum_cross_reduced"):
+    for method in ("fxaccum", "fxaccum_cross", "fxaccum_zero1", "fxaccum_zero2",
+                   "fxaccum_cross_reduced"):
       for k, r in setup["results"].get(method, {}).items():
         if method == "fxaccum_cross" and name == "fsdp/mlp":
           assert "params replicated" in r["skipped"]  # documented: deferred sync needs them
@@ -45,7 +46,7 @@ def test_suite_quick_run(tmp_path):
         assert r["err_ok"] and r["device"] == payload["device"]
   # The FSDP layout reduce-scatters (fxaccum.diagnostics attributes them to the data axis).
   fsdp = setups["fsdp/mlp"]["results"]
-  assert fsdp["fxaccum_per_step"]["8"]["data_reductions_in_loops"] == 0
+  assert fsdp["fxaccum_zero1"]["8"]["data_reductions_in_loops"] == 0
   assert fsdp["micro_grad"]["8"]["skipped"]  # recorded, not hidden
   # BatchNorm mixes examples: fxaccum's global view is exact to the global micro-batches
   # (asserted above) and, on this Explicit mesh, keeps the matmul kernels `reduced`:
@@ -59,3 +60,20 @@ def test_suite_quick_run(tmp_path):
   for path in payload["images"]:
     with open(path, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_fsdp_strategies_quick_run(tmp_path):
+  """benchmarks/fsdp.py at tiny sizes: every method exact against jax.value_and_grad on
+  the whole batch, and the default takes zero3 on stacked, scanned layers (lax.scan and
+  nn.scan), zero2 on unrolled ones. (The suite's LM, zero2: benchmarks/results/fsdp.json.)"""
+  out = tmp_path / "fsdp.json"
+  run_script("benchmarks/fsdp.py", "--quick", "--no-time", "--models",
+             "scanned,nn_scan,unrolled", "--out", str(out))
+  rows = json.loads(out.read_text())["rows"]
+  assert {r["method"] for r in rows} == {"large batch", "plain scan", "default", "zero1",
+                                         "zero2", "zero3"}
+  for r in rows:
+    assert "skipped" not in r and r["grad_rel_err"] < 3e-5, r  # f32, every method alike
+  taken = {r["model"]: r["strategy"].split(":")[0] for r in rows if r["method"] == "default"}
+  assert taken == {"scanned": "zero3", "nn_scan": "zero3", "unrolled": "zero2"}, taken

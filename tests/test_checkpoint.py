@@ -51,7 +51,7 @@ def deferred_setup(mesh):
   """A fresh deferred-sync TrainState on ``mesh`` and its jitted train step."""
   tx = optax.chain(fxaccum.accumulate(K, data_axes="data"), optax.adam(1e-2))
   state = fxaccum.TrainState.create(apply_fn=None, params=put(make_params(), mesh, {}), tx=tx)
-  grad_fn = fxaccum.value_and_grad(weighted_loss, micro_batches=1, reduce=False)
+  grad_fn = fxaccum.value_and_unreduced_grad(weighted_loss, micro_batches=1)
 
   @jax.jit
   def train_step(state, batch):

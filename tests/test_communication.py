@@ -20,7 +20,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import fxaccum
-from fxaccum import diagnostics
+from fxaccum import _reduce, diagnostics
 
 MOVES = ("all-gather", "collective-permute", "all-to-all")
 
@@ -81,8 +81,8 @@ def test_tensor_parallel_keeps_model_collectives_moves_data_ones(axis_type):
     rep = diagnostics.report(
         jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=4)), *args)
     naive = diagnostics.report(jax.jit(naive_scan_value_and_grad(weighted_loss, 4)), *args)
-    deferred = diagnostics.report(jax.jit(fxaccum.value_and_grad(
-        weighted_loss, micro_batches=1, reduce=False)), *args)
+    deferred = diagnostics.report(jax.jit(fxaccum.value_and_unreduced_grad(
+        weighted_loss, micro_batches=1)), *args)
   assert rep.reductions(place="loop", axes="data") == [], rep.summary()
   assert rep.reductions(place="top", axes="data"), rep.summary()
   # The row-parallel matmul's model-axis all-reduce stays in the loop, where the model needs it.
@@ -98,17 +98,17 @@ def test_tensor_parallel_keeps_model_collectives_moves_data_ones(axis_type):
                                                                           naive.memory)
 
 
-@pytest.mark.parametrize("fsdp_reduce", ["per_micro_batch", "per_step"])
-def test_fsdp_reduce_placement(fsdp_reduce):
+@pytest.mark.parametrize("fsdp", ["zero2", "zero1"])
+def test_fsdp_reduce_placement(fsdp):
   mesh = mesh_of((8,), ("data",), AxisType.Explicit)
   specs = {"w1": P("data", None), "b1": P("data"), "w2": P("data", None)}
   k = 4
   with jax.set_mesh(mesh):
     rep = diagnostics.report(
-        jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=k, fsdp_reduce=fsdp_reduce)),
+        jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=k, fsdp=fsdp)),
         put(make_params(), mesh, specs), put(make_data(k=k), mesh, DATA))
   in_loop = rep.select("reduce-scatter", place="loop", axes="data")
-  if fsdp_reduce == "per_micro_batch":
+  if fsdp == "zero2":
     # Memory-optimal: each micro-batch's gradient is reduce-scattered into the sharded
     # accumulator.
     assert in_loop and all(c.executions == k for c in in_loop), rep.summary()
@@ -173,23 +173,25 @@ def test_one_micro_batch_compiles_jax_value_and_grads_program(layout):
       ours.summary(), theirs.summary())
 
 
-@pytest.mark.parametrize("fsdp_reduce", ["per_micro_batch", "per_step"])
-@pytest.mark.parametrize("bucket_bytes,buckets", [(None, 1), (0, 3), (600, 2)])
-def test_fsdp_gradients_reduce_once_per_bucket(fsdp_reduce, bucket_bytes, buckets):
+@pytest.mark.parametrize("fsdp", ["zero2", "zero1"])
+@pytest.mark.parametrize("bucket_bytes,buckets", [(_reduce.BUCKET_BYTES, 1), (None, 1), (0, 3),
+                                                  (600, 2)])
+def test_fsdp_gradients_reduce_once_per_bucket(fsdp, bucket_bytes, buckets, monkeypatch):
   """The FSDP gradient's reduce-scatters (per micro-batch, or once per step) are one per
   bucket, not one per leaf: XLA:CPU combines none, and each is a rendezvous. Exact at every
-  bucket size. (Full f32 gradients: w1 512 B, b1 64 B, w2 64 B.)"""
+  bucket size (fxaccum's own, 2 MiB, and others set in its module). (Full f32 gradients:
+  w1 512 B, b1 64 B, w2 64 B.)"""
+  monkeypatch.setattr(_reduce, "BUCKET_BYTES", bucket_bytes)
   mesh = mesh_of((8,), ("data",), AxisType.Explicit)
   specs = {"w1": P("data", None), "b1": P("data"), "w2": P("data", None)}
   k = 4
   params, data = make_params(), make_data(k=k)
-  step = jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=k,
-                                        fsdp_reduce=fsdp_reduce, bucket_bytes=bucket_bytes))
+  step = jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=k, fsdp=fsdp))
   with jax.set_mesh(mesh):
     args = (put(params, mesh, specs), put(data, mesh, DATA))
     rep = diagnostics.report(step, *args)
     got = step(*args)
-  place = "loop" if fsdp_reduce == "per_micro_batch" else "top"
+  place = "loop" if fsdp == "zero2" else "top"
   scatters = rep.select("reduce-scatter", place=place, axes="data")
   assert len(scatters) == buckets, rep.summary()
   assert sum(c.bytes for c in scatters) >= grad_bytes(params), rep.summary()
@@ -201,13 +203,7 @@ def test_replicated_gradients_reduce_in_one_all_reduce():
   params, data = make_params(), make_data(k=4)
   with jax.set_mesh(mesh):
     rep = diagnostics.report(jax.jit(fxaccum.value_and_grad(
-        weighted_loss, micro_batches=4, bucket_bytes=None)), put(params, mesh, {}),
-        put(data, mesh, DATA))
+        weighted_loss, micro_batches=4)), put(params, mesh, {}), put(data, mesh, DATA))
   big = [c for c in rep.reductions(place="top", axes="data") if c.bytes > 64]
   assert len(big) == 1 and big[0].bytes >= grad_bytes(params), rep.summary()
 
-
-def test_bucket_bytes_must_be_a_byte_count():
-  for bad in (-1, 1.5, True, "4MiB"):
-    with pytest.raises(ValueError, match="bucket_bytes must be a byte count"):
-      fxaccum.value_and_grad(weighted_loss, micro_batches=2, bucket_bytes=bad)

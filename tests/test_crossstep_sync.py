@@ -50,7 +50,7 @@ def test_deferred_sync_reduces_only_inside_the_boundary_branch(axis_type):
   calls = [make_data(seed=s, k=2) for s in range(2 * K)]
   mesh = mesh_of((8,), ("data",), axis_type)
   tx = optax.chain(fxaccum.accumulate(K, data_axes="data"), optax.adam(1e-2))
-  grad_fn = fxaccum.value_and_grad(weighted_loss, micro_batches=2, reduce=False)
+  grad_fn = fxaccum.value_and_unreduced_grad(weighted_loss, micro_batches=2)
   step = jax.jit(train_step_fn(grad_fn))
   with jax.set_mesh(mesh):
     state = fxaccum.TrainState.create(apply_fn=None, params=put(params, mesh, {}), tx=tx)
@@ -83,7 +83,7 @@ import jax, jax.numpy as jnp, numpy as np, optax, fxaccum
 assert jax.device_count() == 1
 loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
 tx = optax.chain(fxaccum.accumulate(4, data_axes="data"), optax.sgd(0.1))
-grad_fn = fxaccum.value_and_grad(loss, micro_batches=1, reduce=False)
+grad_fn = fxaccum.value_and_unreduced_grad(loss, micro_batches=1)
 step = jax.jit(lambda s, b: s.apply_gradients(grads=grad_fn(s.params, b)[1]))
 mesh = jax.make_mesh((1,), ("data",))
 params = {"w": np.ones((3, 1), np.float32), "b": np.zeros(1, np.float32)}  # 1-D: the case
@@ -127,8 +127,8 @@ def test_reduced_gradients_reduce_every_call():
 def test_unreduced_requires_replicated_params():
   mesh = mesh_of((8,), ("data",), AXIS_TYPES[1])
   specs = {"w1": P("data", None)}
-  with jax.set_mesh(mesh), pytest.raises(ValueError, match="reduce=False.*FSDP"):
-    jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=2, reduce=False))(
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="value_and_unreduced_grad.*FSDP"):
+    jax.jit(fxaccum.value_and_unreduced_grad(weighted_loss, micro_batches=2))(
         put(make_params(), mesh, specs), put(make_data(k=2), mesh, DATA))
 
 
@@ -160,7 +160,7 @@ def test_deferred_sync_on_data_x_model_keeps_the_accumulator_layout(axis_type):
   calls = [make_data(seed=s, k=2) for s in range(2 * K)]
   mesh = mesh_of((4, 2), ("data", "model"), axis_type)
   tx = optax.chain(fxaccum.accumulate(K, data_axes="data"), optax.adam(1e-2))
-  grad_fn = fxaccum.value_and_grad(weighted_loss, micro_batches=2, reduce=False)
+  grad_fn = fxaccum.value_and_unreduced_grad(weighted_loss, micro_batches=2)
   with jax.set_mesh(mesh):
     state = fxaccum.TrainState.create(apply_fn=None, params=put(params, mesh, TP), tx=tx)
     for name, acc in state.opt_state[0].accumulator.items():
@@ -186,7 +186,7 @@ def test_deferred_sync_refuses_fsdp_params_at_init():
 
 @pytest.mark.parametrize("boxed", [True, False], ids=["variables", "values"])
 def test_deferred_sync_through_the_nnx_optimizer(boxed):
-  """fxaccum.Optimizer takes value_and_grad(reduce=False)'s Unreduced for an nnx module
+  """fxaccum.Optimizer takes value_and_unreduced_grad's Unreduced for an nnx module
   as it comes (its total holds nnx.Param variables; before, the gate refused its tree) or
   with plain values; k calls give nnx.Optimizer's step on the k calls' batches."""
   import jax.numpy as jnp
@@ -207,7 +207,7 @@ def test_deferred_sync_through_the_nnx_optimizer(boxed):
 
     @nnx.jit
     def step(model, opt, batch):
-      _, grads = fxaccum.value_and_grad(loss, micro_batches=2, reduce=False)(model, batch)
+      _, grads = fxaccum.value_and_unreduced_grad(loss, micro_batches=2)(model, batch)
       if not boxed:
         grads = fxaccum.Unreduced(nnx.as_pure(grads.total), grads.weight)
       opt.update(model, grads)

@@ -58,10 +58,11 @@ def test_in_step_scale_checks_the_accumulated_gradient_once(bad):
 
 
 def test_in_step_scale_unscales_every_output_of_fxaccums_options():
-  """skip_nonfinite's count, noise_scale's NoiseScale and reduce=False's per-device sums
-  come back as fxaccum.value_and_grad gives them unscaled (before: a TypeError on the
-  tuple value, the NoiseScale dropped, and reduce=False's weights divided by the scale,
-  which made the cross-step gradient 65536x too large)."""
+  """Statistics in the aux (the skipped count, the noise scale's norms of scaled
+  gradients) and value_and_unreduced_grad's per-device sums come back as
+  fxaccum.value_and_grad gives them unscaled (before: a TypeError on the tuple value, the
+  NoiseScale dropped, and the unreduced weights divided by the scale, which made the
+  cross-step gradient 65536x too large)."""
   batch = batches(1)[0]
   w = {"w": np.ones(DIM, np.float32)}
   scale = fxaccum.DynamicScale(scale=2.0 ** 16)
@@ -70,15 +71,16 @@ def test_in_step_scale_unscales_every_output_of_fxaccums_options():
   micro = [jax.tree.map(lambda a, i=i: a[i::K], batch) for i in range(K)]
   small = np.mean([optax.tree.norm(jax.grad(value_fn)(w, m), squared=True) for m in micro])
 
-  got = scale.value_and_grad(value_fn, micro_batches=K, skip_nonfinite=True)(w, batch)
-  (value, skipped), grads = got.aux, got.grad  # flax names the value "aux"
-  assert_tree_close((value, grads), (ref_value, ref_grad))
-  assert int(skipped) == 0
+  def with_statistics(p, b):
+    value, aux = loss_fn(p, b)
+    return value, {"aux": aux, "stats": fxaccum.Statistics()}
 
-  got = scale.value_and_grad(loss_fn, has_aux=True, micro_batches=K, noise_scale=True)(
-      w, batch)
-  value, aux, noise = got.aux
-  assert_tree_close((value, aux, got.grad), (ref_value, loss_fn(w, batch)[1], ref_grad))
+  got = scale.value_and_grad(with_statistics, has_aux=True, micro_batches=K,
+                             skip_nonfinite=True)(w, batch)
+  (value, aux), grads = got.aux, got.grad  # flax names the value "aux"
+  assert_tree_close((value, aux["aux"], grads), (ref_value, loss_fn(w, batch)[1], ref_grad))
+  noise = aux["stats"].noise_scale
+  assert int(aux["stats"].skipped) == 0
   np.testing.assert_allclose([noise.small_sq_norm, noise.big_sq_norm, noise.small_batch,
                               noise.big_batch],
                              [small, optax.tree.norm(ref_grad, squared=True), ROWS // K, ROWS],
@@ -86,7 +88,7 @@ def test_in_step_scale_unscales_every_output_of_fxaccums_options():
 
   mesh = jax.make_mesh((4,), ("data",))
   with jax.set_mesh(mesh):
-    got = jax.jit(scale.value_and_grad(value_fn, micro_batches=K, reduce=False))(
+    got = jax.jit(scale.value_and_unreduced_grad(value_fn, micro_batches=K))(
         w, jax.device_put(batch, jax.P("data")))
   unreduced = got.grad
   assert isinstance(unreduced, fxaccum.Unreduced)

@@ -90,9 +90,9 @@ def test_argnums_out_of_range():
     fxaccum.value_and_grad(lambda p: jnp.sum(p["b1"]), micro_batches=2)(make_params())
 
 
-def test_bad_fsdp_reduce_and_rng_leaf():
-  with pytest.raises(ValueError, match="fsdp_reduce"):
-    fxaccum.value_and_grad(example_mean_loss, micro_batches=2, fsdp_reduce="sometimes")
+def test_bad_fsdp_and_rng_leaf():
+  with pytest.raises(ValueError, match="fsdp must be one of"):
+    fxaccum.value_and_grad(example_mean_loss, micro_batches=2, fsdp="sometimes")
   with pytest.raises(TypeError, match="PRNG keys"):
     fxaccum.value_and_grad(lambda p, b, key: example_mean_loss(p, b), micro_batches=2,
                            rng_argnums=2)(make_params(), make_data(k=2), jnp.ones(3))

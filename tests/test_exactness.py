@@ -127,13 +127,12 @@ def test_eager_call_and_auto_fsdp_detected_from_concrete_arrays():
     assert g.sharding.is_equivalent_to(sharded[name].sharding, g.ndim), name
 
 
-@pytest.mark.parametrize("fsdp_reduce", ["per_micro_batch", "per_step"])
-def test_fsdp_reduce_modes_are_exact(fsdp_reduce):
+@pytest.mark.parametrize("fsdp", ["auto", "zero1", "zero2", "zero3"])
+def test_fsdp_strategies_are_exact(fsdp):
   data, params = make_data(k=4), make_params()
   mesh = mesh_of((8,), ("data",), AxisType.Explicit)
   with jax.set_mesh(mesh):
-    got = jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=4,
-                                         fsdp_reduce=fsdp_reduce))(
+    got = jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=4, fsdp=fsdp))(
         put(params, mesh, LAYOUTS["fsdp"][2]), put(data, mesh, DATA))
   assert_tree_close(got, jax.value_and_grad(reference_token_mean)(params, data))
 

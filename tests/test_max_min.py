@@ -112,9 +112,11 @@ def test_a_skipped_micro_batch_adds_nothing_to_a_maximum():
   x = data(2)
   x[1, 0] = np.inf  # micro-batch 1 of device 0 (row 1 of its rows 0..7): not finite
   aux, _ = run(lambda x, w: (fxaccum.Max(jnp.max(jnp.where(jnp.isinf(x), 1e6, x))),
-                             fxaccum.Min(jnp.min(jnp.where(jnp.isinf(x), -1e6, x)))),
+                             fxaccum.Min(jnp.min(jnp.where(jnp.isinf(x), -1e6, x))),
+                             fxaccum.Statistics()),
                jax.sharding.AxisType.Auto, x, skip_nonfinite=True)
-  (amax, amin), skipped = aux
+  amax, amin, stats = aux
+  skipped = stats.skipped
   blocks = np.split(x, DEVICES)
   kept = np.concatenate([b[i::K] for d, b in enumerate(blocks) for i in range(K)
                          if not (d == 0 and i == 1)])

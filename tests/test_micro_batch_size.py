@@ -1,4 +1,4 @@
-"""micro_batch_size=m: k follows the batch at trace time (k = B // m), so a batch-size
+"""micro_batches=MicroBatchSize(m): k follows the batch at trace time (k = B // m), so a batch-size
 ramp-up keeps the micro-batch fixed; exact against jax.value_and_grad on each batch."""
 
 import jax
@@ -27,13 +27,13 @@ def test_k_follows_the_batch(batch):
   ramp-up), each exact, and equal to micro_batches=B // m (the same program)."""
   mesh = mesh_of((8,), ("data",), AxisType.Explicit)
   params, data = make_params(), make_data(k=batch // 16, batch=batch)
-  sized = jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batch_size=16))
+  sized = jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=fxaccum.MicroBatchSize(16)))
   counted = jax.jit(fxaccum.value_and_grad(weighted_loss, micro_batches=batch // 16))
   with jax.set_mesh(mesh):
     args = (put(params, mesh, {}), put(data, mesh, DATA))
     got = sized(*args)
     same = sized.lower(*args).as_text() == counted.lower(*args).as_text()
-  assert same, "micro_batch_size=m must compile micro_batches=B // m's program"
+  assert same, "MicroBatchSize(m) must compile micro_batches=B // m's program"
   assert_tree_close(got, jax.value_and_grad(reference_token_mean)(params, data))
 
 
@@ -43,7 +43,7 @@ def test_eager_calls_compile_once_per_batch_size():
   def loss(w, x):
     return jnp.mean((x @ w) ** 2)
 
-  step = fxaccum.value_and_grad(loss, micro_batch_size=2)
+  step = fxaccum.value_and_grad(loss, micro_batches=fxaccum.MicroBatchSize(2))
   w = jnp.ones(3)
   for rows in (4, 8, 4):
     x = jnp.arange(rows * 3.0).reshape(rows, 3) / 10
@@ -65,22 +65,22 @@ def test_the_micro_batch_stays_fixed_as_the_batch_grows():
       args = (put(make_params(), mesh, {}), put(make_data(batch=batch), mesh, DATA))
       return diagnostics.report(step, *args).memory.temp_bytes
 
-  sized = {b: temp(b, micro_batch_size=16) for b in (64, 256)}
+  sized = {b: temp(b, micro_batches=fxaccum.MicroBatchSize(16)) for b in (64, 256)}
   counted = {b: temp(b, micro_batches=4) for b in (64, 256)}
   assert sized[256] <= 1.25 * sized[64], sized
   assert counted[256] >= 2 * counted[64], counted
 
 
-@pytest.mark.parametrize("options,error,match", [
-    ({"micro_batch_size": 24}, ValueError, "micro_batch_size=24 does not divide the batch's 64"),
-    ({"micro_batch_size": 4}, ValueError, "over 8 data devices"),
-    ({"micro_batch_size": 16, "micro_batches": 4}, TypeError, "exactly one of micro_batches"),
-    ({}, TypeError, "exactly one of micro_batches"),
-    ({"micro_batch_size": 0}, ValueError, "micro_batch_size must be a positive int"),
+@pytest.mark.parametrize("rows,error,match", [
+    (24, ValueError, r"MicroBatchSize\(24\) does not divide the batch's 64"),
+    (4, ValueError, "over 8 data devices"),
+    (None, TypeError, "needs micro_batches=k"),
+    (0, ValueError, "MicroBatchSize's rows must be a positive int"),
 ])
-def test_errors_name_micro_batch_size(options, error, match):
+def test_errors_name_micro_batch_size(rows, error, match):
   mesh = mesh_of((8,), ("data",), AxisType.Explicit)
   with pytest.raises(error, match=match):
+    options = {} if rows is None else {"micro_batches": fxaccum.MicroBatchSize(rows)}
     step = jax.jit(fxaccum.value_and_grad(weighted_loss, **options))
     with jax.set_mesh(mesh):
       step(put(make_params(), mesh, {}), put(make_data(), mesh, DATA))

@@ -1,5 +1,5 @@
-"""``value_and_grad(..., noise_scale=True)``: the gradient noise scale of McCandlish et al.
-2018 (App. A.1) from the micro-batch gradients the step computes anyway.
+"""``fxaccum.Statistics().noise_scale``: the gradient noise scale of McCandlish et al. 2018
+(App. A.1) from the micro-batch gradients the step computes anyway.
 
 References are independent of fxaccum: ``jax.grad`` of each small batch's mean loss (the
 global micro-batches, or each device's share of them in the per-device view) and of the
@@ -40,6 +40,22 @@ def token_loss(w, batch):
   return fxaccum.Weighted(jnp.sum(batch["mask"] * err), jnp.sum(batch["mask"]))
 
 
+def with_statistics(loss):
+  """``loss`` asking for the step's statistics in its aux."""
+  return lambda *args: (loss(*args), fxaccum.Statistics())
+
+
+def noise_of(loss, **options):
+  """``fxaccum.value_and_grad`` of ``loss`` returning ``(value, noise scale), grads``."""
+  step = fxaccum.value_and_grad(with_statistics(loss), has_aux=True, **options)
+
+  def run(*args):
+    (value, stats), grads = step(*args)
+    return (value, stats.noise_scale), grads
+
+  return run
+
+
 def reference(loss, w, small_batches, whole):
   """The estimator's inputs by hand: each small batch's mean-loss gradient, the step's."""
   def mean_of(w, b):
@@ -77,8 +93,7 @@ def test_statistics_match_the_micro_batch_gradients(view, loss, axis_type):
   w = jnp.array([0.3, 0.1, -0.2])
   mesh = mesh_of((DEVICES,), ("data",), axis_type)
   with jax.set_mesh(mesh):
-    step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=K, noise_scale=True,
-                                          view=view))
+    step = jax.jit(noise_of(loss, micro_batches=K, view=view))
     args = (jax.device_put(w, NamedSharding(mesh, P())),
             jax.device_put(batch, NamedSharding(mesh, P("data"))))
     (value, noise), grads = step(*args)
@@ -100,7 +115,7 @@ def test_averaging_norms_instead_of_squared_norms_is_biased():
   statistic; fxaccum's small_sq_norm is the mean of |g_i|²."""
   batch = regression_data(3)
   w = jnp.zeros(DIM)
-  (_, noise), _ = fxaccum.value_and_grad(mean_loss, micro_batches=K, noise_scale=True)(w, batch)
+  (_, noise), _ = noise_of(mean_loss, micro_batches=K)(w, batch)
   norms = [float(jnp.linalg.norm(jax.grad(mean_loss)(w, jax.tree.map(lambda a, i=i: a[i::K],
                                                                         batch))))
            for i in range(K)]
@@ -121,7 +136,7 @@ def test_smoothed_b_simple_recovers_a_known_noise_scale():
     x, y = batch
     return jnp.mean(0.5 * (x @ w - y) ** 2)
 
-  grad_fn = fxaccum.grad(loss, micro_batches=8, noise_scale=True)
+  grad_fn = fxaccum.grad(with_statistics(loss), has_aux=True, micro_batches=8)
 
   @jax.jit
   def run(key):
@@ -129,7 +144,7 @@ def test_smoothed_b_simple_recovers_a_known_noise_scale():
       kx, ke = jax.random.split(key)
       x = jax.random.normal(kx, (rows, d))
       y = x @ w_star + sigma * jax.random.normal(ke, (rows,))
-      _, noise = grad_fn(w_star + delta, (x, y))
+      noise = grad_fn(w_star + delta, (x, y))[1].noise_scale
       return ema.update(noise), noise.b_simple
 
     return jax.lax.scan(one_step, diagnostics.NoiseScaleEMA(decay=0.99),
@@ -145,8 +160,7 @@ def test_smoothed_b_simple_recovers_a_known_noise_scale():
 
 def test_one_micro_batch_on_one_device_gives_nan_and_the_ema_skips_it():
   batch = regression_data(4, rows=8)
-  (_, noise), _ = fxaccum.value_and_grad(mean_loss, micro_batches=1, noise_scale=True)(
-      jnp.zeros(DIM), batch)
+  (_, noise), _ = noise_of(mean_loss, micro_batches=1)(jnp.zeros(DIM), batch)
   assert float(noise.small_batch) == float(noise.big_batch) == 8
   assert np.isnan(noise.grad_sq) and np.isnan(noise.trace_sigma) and np.isnan(noise.b_simple)
   ema = diagnostics.NoiseScaleEMA().update(noise)
@@ -154,28 +168,33 @@ def test_one_micro_batch_on_one_device_gives_nan_and_the_ema_skips_it():
 
 
 def test_result_structure_with_aux_and_skipped_micro_batches():
+  """The statistics come back where the aux asked for them (twice: both filled); the
+  value, the rest of the aux and the gradients are where jax.value_and_grad puts them."""
   batch = regression_data(5, rows=16)
   batch["x"][4] = np.nan  # micro-batch 0 of 4 (rows 0::4): skipped
 
   def loss(w, batch):
-    return mean_loss(w, batch), {"n": fxaccum.Sum(batch["x"].shape[0])}
+    return mean_loss(w, batch), {"n": fxaccum.Sum(batch["x"].shape[0]),
+                                 "stats": [fxaccum.Statistics(), fxaccum.Statistics()]}
 
-  (value, (aux, skipped), noise), grads = fxaccum.value_and_grad(
-      loss, has_aux=True, micro_batches=4, noise_scale=True, skip_nonfinite=True)(
-          jnp.zeros(DIM), batch)
-  assert int(skipped) == 1 and int(aux["n"]) == 12  # the skipped rows add nothing
+  (value, aux), grads = fxaccum.value_and_grad(
+      loss, has_aux=True, micro_batches=4, skip_nonfinite=True)(jnp.zeros(DIM), batch)
+  stats, again = aux["stats"]
+  assert int(stats.skipped) == 1 and int(aux["n"]) == 12  # the skipped rows add nothing
   kept = [jax.tree.map(lambda a, i=i: a[i::4], batch) for i in (1, 2, 3)]
   whole = jax.tree.map(lambda *p: np.concatenate(p), *kept)
   expected = reference(mean_loss, jnp.zeros(DIM), kept, whole)
   for name, want in expected.items():
-    np.testing.assert_allclose(getattr(noise, name), want, rtol=2e-5, err_msg=name)
-  g, (aux_again, noise_again) = fxaccum.grad(
-      lambda w, b: (mean_loss(w, b), ()), has_aux=True, micro_batches=2, noise_scale=True)(
-          jnp.zeros(DIM), regression_data(5, rows=16))
-  assert aux_again == () and isinstance(noise_again, fxaccum.NoiseScale)
-  g, noise_only = fxaccum.grad(mean_loss, micro_batches=2, noise_scale=True)(
+    np.testing.assert_allclose(getattr(stats.noise_scale, name), want, rtol=2e-5,
+                               err_msg=name)
+    np.testing.assert_allclose(getattr(again.noise_scale, name), want, rtol=2e-5)
+  ref_value, ref_grads = jax.value_and_grad(mean_loss)(jnp.zeros(DIM), whole)
+  np.testing.assert_allclose(value, ref_value, rtol=2e-5)
+  np.testing.assert_allclose(grads, ref_grads, rtol=2e-5)
+  g, stats_only = fxaccum.grad(with_statistics(mean_loss), has_aux=True, micro_batches=2)(
       jnp.zeros(DIM), regression_data(5, rows=16))
-  assert isinstance(noise_only, fxaccum.NoiseScale)
+  assert isinstance(stats_only.noise_scale, fxaccum.NoiseScale)
+  assert int(stats_only.skipped) == 0 and g.shape == (DIM,)
 
 
 def test_no_extra_gradient_collective():
@@ -188,24 +207,46 @@ def test_no_extra_gradient_collective():
   def loss(w, batch):
     return jnp.mean((jnp.sum(batch["x"] @ w, -1) - batch["y"]) ** 2)
 
-  def big_reductions(noise_scale):
-    step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=K, noise_scale=noise_scale))
+  def big_reductions(loss, has_aux):
+    step = jax.jit(fxaccum.value_and_grad(loss, has_aux=has_aux, micro_batches=K))
     rep = diagnostics.report(step, w, batch)
     return [c for c in rep.collectives if c.kind in diagnostics.REDUCTIONS and c.bytes > 64]
 
-  plain, with_noise = big_reductions(False), big_reductions(True)
+  plain, with_noise = big_reductions(loss, False), big_reductions(with_statistics(loss), True)
   assert len(plain) == len(with_noise) >= 1
   assert all(c.place == "top" for c in with_noise)
 
 
-@pytest.mark.parametrize("options, match", [
-    ({"loss_reduction": "sum"}, "loss_reduction='mean'"),
-    ({"reduce": False}, "reduce=True"),
-    ({"fsdp_gather": "per_micro_batch"}, "fsdp_gather='per_step'"),
-])
-def test_options_that_leave_no_micro_batch_gradient_are_refused(options, match):
-  with pytest.raises(ValueError, match=match):
-    fxaccum.value_and_grad(mean_loss, micro_batches=2, noise_scale=True, **options)
+@pytest.mark.parametrize("case", ["a Sum loss", "unreduced gradients", "zero3"])
+def test_steps_without_a_micro_batch_gradient_give_nan(case):
+  """A Sum loss has no micro-batch mean, value_and_unreduced_grad no step gradient, and
+  zero3 reduces each micro-batch's gradient in its backward pass: their noise scale is
+  NaN (the EMA skips such steps); the skipped count and the rest are there."""
+  batch = regression_data(9)
+  w = jnp.array([0.3, 0.1, -0.2])
+  def loss(w, b):
+    if case == "a Sum loss":  # already divided by the whole batch's size
+      return fxaccum.Sum(jnp.sum(jnp.mean((b["x"] @ w - b["y"]) ** 2, -1)) / ROWS)
+    return mean_loss(w, b)
+
+  entry = (fxaccum.value_and_unreduced_grad if case == "unreduced gradients"
+           else fxaccum.value_and_grad)
+  mesh = mesh_of((DEVICES,), ("data",), AxisType.Explicit)
+  spec = P("data") if case == "zero3" else P()  # w's 3 rows: FSDP over 8 needs 8, so tile
+  w = jnp.tile(w, 8) if case == "zero3" else w
+  x_tiled = {**batch, "x": np.tile(batch["x"], (1, 1, 8))} if case == "zero3" else batch
+  with jax.set_mesh(mesh):
+    options = {"fsdp": "zero3"} if case == "zero3" else {}
+    step = jax.jit(entry(with_statistics(loss), has_aux=True, micro_batches=K, **options))
+    (value, stats), _ = step(jax.device_put(w, NamedSharding(mesh, spec)),
+                             jax.device_put(x_tiled, NamedSharding(mesh, P("data"))))
+    (path,) = diagnostics.paths(step, jax.device_put(w, NamedSharding(mesh, spec)),
+                                jax.device_put(x_tiled, NamedSharding(mesh, P("data"))))
+  assert path.view == "device" and (case != "zero3" or path.fsdp.startswith("zero3")), path
+  assert int(stats.skipped) == 0 and np.isfinite(float(value))
+  noise = stats.noise_scale
+  assert all(np.isnan(float(x)) for x in (noise.small_sq_norm, noise.big_sq_norm,
+                                          noise.b_simple))
 
 
 def test_ema_rejects_a_decay_outside_zero_one():
@@ -219,8 +260,7 @@ def test_inside_the_callers_shard_map():
   batch = regression_data(7)
   w = jnp.array([0.3, 0.1, -0.2])
   mesh = mesh_of((DEVICES,), ("data",), AxisType.Auto)
-  value_and_grad = fxaccum.value_and_grad(token_loss, micro_batches=K, data_axes="data",
-                                          noise_scale=True)
+  value_and_grad = noise_of(token_loss, micro_batches=K, data_axes="data")
   step = jax.jit(jax.shard_map(lambda w, b: value_and_grad(w, b)[0][1], mesh=mesh,
                                in_specs=(P(), P("data")), out_specs=P()))
   with jax.set_mesh(mesh):
@@ -230,19 +270,20 @@ def test_inside_the_callers_shard_map():
     np.testing.assert_allclose(getattr(noise, name), want, rtol=2e-5, err_msg=name)
 
 
-def test_a_rank_that_is_part_of_a_small_batch_is_refused():
+def test_a_rank_that_is_part_of_a_small_batch_gives_nan():
   """Sequence parallelism: the loss sums its token count over `seq` itself, so a rank's
-  gradient is part of a small batch's; that gradient's norm would mean nothing."""
+  gradient is part of a small batch's; that gradient's norm would mean nothing: NaN."""
   mesh = mesh_of((4, 2), ("data", "seq"), AxisType.Auto)
 
   def loss(w, b):
     err = jnp.sum(b["mask"] * (b["x"] @ w - b["y"]) ** 2)
     return fxaccum.Weighted(jax.lax.psum(err, "seq"), jax.lax.psum(jnp.sum(b["mask"]), "seq"))
 
-  value_and_grad = fxaccum.value_and_grad(loss, micro_batches=2, data_axes=("data", "seq"),
-                                          noise_scale=True)
-  step = jax.jit(jax.shard_map(lambda w, b: value_and_grad(w, b)[1], mesh=mesh,
+  value_and_grad = noise_of(loss, micro_batches=2, data_axes=("data", "seq"))
+  step = jax.jit(jax.shard_map(lambda w, b: value_and_grad(w, b)[0][1], mesh=mesh,
                                in_specs=(P(), P("data", "seq")), out_specs=P()))
-  with jax.set_mesh(mesh), pytest.raises(ValueError, match="sums its weight over"):
+  with jax.set_mesh(mesh):
     four_tokens = jax.tree.map(lambda a: a[:, :4], regression_data(8))
-    step(jnp.zeros(DIM), jax.device_put(four_tokens, NamedSharding(mesh, P("data", "seq"))))
+    noise = step(jnp.zeros(DIM),
+                 jax.device_put(four_tokens, NamedSharding(mesh, P("data", "seq"))))
+  assert np.isnan(float(noise.small_sq_norm)) and np.isnan(float(noise.b_simple))

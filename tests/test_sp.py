@@ -193,16 +193,15 @@ def test_inside_a_shard_map_without_data_axes_is_an_error_naming_them():
 
 @pytest.mark.slow
 def test_cross_step_deferred_sync_per_rank():
-  """reduce=False inside the shard_map feeds accumulate(k, data_axes=(data, seq)): the
-  gradient is reduced once per window, in the boundary branch; the SGD step equals the
-  one on the window's global token mean."""
+  """value_and_unreduced_grad inside the shard_map feeds accumulate(k, data_axes=(data,
+  seq)): the gradient is reduced once per window, in the boundary branch; the SGD step
+  equals the one on the window's global token mean."""
   mesh_shape, calls = (2, 4), 2
   params = ulysses.make_params()
   batches = [skewed_batch(mesh_shape), ulysses.make_batch(seed=1)]
   mesh = mesh_of(mesh_shape, AXES, AxisType.Auto)
   tx = optax.chain(fxaccum.accumulate(calls, data_axes=AXES), optax.sgd(0.5))
-  grad_fn = fxaccum.value_and_grad(weighted_per_rank, micro_batches=2, data_axes=AXES,
-                                   reduce=False)
+  grad_fn = fxaccum.value_and_unreduced_grad(weighted_per_rank, micro_batches=2, data_axes=AXES)
 
   def step(params, opt_state, batch):
     _, grads = grad_fn(params, batch)

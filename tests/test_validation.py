@@ -5,6 +5,7 @@ Every test here failed before this file was added: the inputs ran and gave a wro
 or an unhelpful message.
 """
 
+import inspect
 import os
 
 import jax
@@ -160,6 +161,11 @@ def centred(w, b):  # mixes examples: the global view
   return jnp.mean((h - jnp.mean(h)) ** 2)
 
 
+def with_statistics(loss):
+  """``loss`` with the step's statistics asked for in its aux."""
+  return lambda *args: (loss(*args), fxaccum.Statistics())
+
+
 def test_skip_nonfinite_micro_batch_per_device_and_global():
   """A NaN row: the device view drops that device's share of its micro-batch, the global
   view the whole micro-batch; both equal their reference without those rows."""
@@ -170,10 +176,13 @@ def test_skip_nonfinite_micro_batch_per_device_and_global():
   mesh = mesh_of((8,), ("data",), AxisType.Auto)
   with jax.set_mesh(mesh):
     sharded = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), data)
-    per_device = jax.jit(fxaccum.value_and_grad(mse, micro_batches=k, skip_nonfinite=True))
-    global_ = jax.jit(fxaccum.value_and_grad(centred, micro_batches=k, skip_nonfinite=True))
-    (value, skipped), grads = per_device(w, sharded)
-    (gvalue, gskipped), ggrads = global_(w, sharded)
+    per_device = jax.jit(fxaccum.value_and_grad(
+        with_statistics(mse), has_aux=True, micro_batches=k, skip_nonfinite=True))
+    global_ = jax.jit(fxaccum.value_and_grad(
+        with_statistics(centred), has_aux=True, micro_batches=k, skip_nonfinite=True))
+    (value, stats), grads = per_device(w, sharded)
+    (gvalue, gstats), ggrads = global_(w, sharded)
+  skipped, gskipped = stats.skipped, gstats.skipped
   # Device view: 8 rows per device, 2 per micro-batch; the bad row's pair is dropped.
   device, local = divmod(bad_row, 8)
   dropped = {device * 8 + r for r in range(8) if r % k == local % k}
@@ -199,16 +208,18 @@ def test_skip_nonfinite_micro_batch_per_device_and_global():
 def test_skip_nonfinite_with_aux_and_grad():
   data = rows_data()
   data["x"][3, 1] = np.inf
-  fn = fxaccum.grad(lambda w, b: (mse(w, b), {"n": fxaccum.Sum(b["x"].shape[0])}),
+  fn = fxaccum.grad(lambda w, b: (mse(w, b), {"n": fxaccum.Sum(b["x"].shape[0]),
+                                               "stats": fxaccum.Statistics()}),
                     has_aux=True, micro_batches=4, skip_nonfinite=True)
-  grads, (aux, skipped) = fn(np.ones(4, np.float32), data)
-  assert int(skipped) == 1 and int(aux["n"]) == 48  # 3 of 4 micro-batches of 16 rows
+  grads, aux = fn(np.ones(4, np.float32), data)
+  # 3 of 4 micro-batches of 16 rows
+  assert int(aux["stats"].skipped) == 1 and int(aux["n"]) == 48
   assert np.isfinite(np.asarray(grads)).all()
 
 
 def test_loss_already_normalized_by_a_global_count():
-  """The Hugging Face num_items_in_batch pattern: loss_reduction="sum" gives the large
-  batch's value; the default takes the mean over micro-batches of such losses (1/k)."""
+  """The Hugging Face num_items_in_batch pattern: a loss returned as fxaccum.Sum gives the
+  large batch's value; a plain scalar is taken as a mean over its micro-batch (1/k)."""
   data = rows_data()
   data["m"] = (np.arange(64) % 3 != 0).astype(np.float32)
   count = data["m"].sum()
@@ -221,16 +232,35 @@ def test_loss_already_normalized_by_a_global_count():
   mesh = mesh_of((8,), ("data",), AxisType.Explicit)
   with jax.set_mesh(mesh):
     sharded = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), data)
-    summed = jax.jit(fxaccum.value_and_grad(loss, micro_batches=4, loss_reduction="sum"))(
-        w, sharded, count)
+    summed = jax.jit(fxaccum.value_and_grad(
+        lambda *args: fxaccum.Sum(loss(*args)), micro_batches=4))(w, sharded, count)
     mean = jax.jit(fxaccum.value_and_grad(loss, micro_batches=4))(w, sharded, count)
   assert_tree_close(summed, ref)
   assert_tree_close(mean, jax.tree.map(lambda r: r / 4, ref))
-  with pytest.raises(TypeError, match="loss_reduction='sum'.*Weighted"):
-    fxaccum.value_and_grad(lambda w, b: fxaccum.Weighted(jnp.sum(b["x"] @ w), 3.0),
-                           micro_batches=2, loss_reduction="sum")(w, data)
-  with pytest.raises(ValueError, match="loss_reduction must be one of"):
-    fxaccum.value_and_grad(loss, micro_batches=2, loss_reduction="total")
+  with pytest.raises(TypeError, match="fxaccum.Sum of"):
+    fxaccum.value_and_grad(lambda w, b: fxaccum.Sum(b["x"] @ w), micro_batches=2)(w, data)
+
+
+@pytest.mark.parametrize("option,value,names", [
+    ("micro_batch_size", 16, "MicroBatchSize"),
+    ("fsdp_reduce", "per_step", "fsdp='zero1'"),
+    ("fsdp_gather", "per_micro_batch", "fsdp='zero3'"),
+    ("bucket_bytes", 0, "bucketed at 2 MiB"),
+    ("reduce", False, "value_and_unreduced_grad"),
+    ("noise_scale", True, "fxaccum.Statistics"),
+    ("loss_reduction", "sum", "fxaccum.Sum"),
+])
+@pytest.mark.parametrize("entry", ["value_and_grad", "grad", "value_and_unreduced_grad"])
+def test_removed_options_name_their_new_spelling(entry, option, value, names):
+  with pytest.raises(TypeError, match=f"no longer takes {option}=.*{names}"):
+    getattr(fxaccum, entry)(mse, micro_batches=2, **{option: value})
+
+
+def test_unknown_options_are_refused():
+  with pytest.raises(TypeError, match="unexpected keyword argument 'fsdp'"):
+    fxaccum.value_and_unreduced_grad(mse, micro_batches=2, fsdp="zero2")
+  with pytest.raises(TypeError, match="unexpected keyword argument 'micro_batch'"):
+    fxaccum.grad(mse, micro_batch=2)
 
 
 def test_batch_shaped_keyword_argument_is_refused():
@@ -344,3 +374,22 @@ def test_mismatch_listing_says_how_many_more(tmp_path):
   with pytest.raises(CheckpointMismatchError, match=r"only in the target: \[.*\] and \d+ more"):
     fxaccum.checkpoint.restore(mgr, 1, target)
   assert os.path.isabs(str(mgr.directory))
+
+
+@pytest.mark.parametrize("entry,most", [("value_and_grad", 10), ("grad", 10),
+                                        ("value_and_unreduced_grad", 9)])
+def test_the_public_signature_has_at_most_ten_options(entry, most):
+  """Besides jax.value_and_grad's own (fun, argnums, has_aux), at most ten keyword options,
+  as the type stubs (the overloads) show them."""
+  import typing
+
+  from fxaccum import _instep
+  overloads = typing.get_overloads(getattr(_instep, entry))
+  assert len(overloads) == 4
+  for overload in overloads:
+    parameters = inspect.signature(overload).parameters
+    options = [name for name, p in parameters.items()
+               if name not in ("fun", "argnums", "has_aux") and p.kind != p.VAR_KEYWORD]
+    typed = typing.get_type_hints(overload, include_extras=True).get("options")
+    keywords = options + list(typing.get_args(typed)[0].__annotations__ if typed else [])
+    assert options == ["micro_batches"] and len(keywords) <= most, keywords

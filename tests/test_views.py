@@ -375,15 +375,15 @@ def test_explicit_global_view_keeps_matmul_params_reduced_across_the_loop():
 
 
 def test_global_view_with_deferred_sync_is_exact():
-  """reduce=False on a loss that mixes examples: the per-device form holds the global sum
-  (already reduced) and cross-step accumulate gives the large-batch step."""
+  """value_and_unreduced_grad on a loss that mixes examples: the per-device form holds the
+  global sum (already reduced) and cross-step accumulate gives the large-batch step."""
   loss, params, batch, _ = centred_setup()
   k = 2
   tx = optax.chain(fxaccum.accumulate(2, data_axes="data"), optax.sgd(0.1))
   ref_tx = optax.sgd(0.1)
   mesh = mesh_of((8,), ("data",), AxisType.Explicit)
   halves = [jax.tree.map(lambda a, i=i: a[i * 32:(i + 1) * 32], batch) for i in range(2)]
-  grad_fn = fxaccum.value_and_grad(loss, micro_batches=k, reduce=False)
+  grad_fn = fxaccum.value_and_unreduced_grad(loss, micro_batches=k)
 
   @jax.jit
   def step(state, batch):

@@ -25,9 +25,22 @@ assert_type(fxaccum.value_and_grad(loss_and_aux, has_aux=True, micro_batches=2)(
 assert_type(fxaccum.value_and_grad(loss_and_aux, 0, True, micro_batches=2)(w, x),
             tuple[tuple[jax.Array, Any], Any])
 assert_type(fxaccum.value_and_grad(loss, has_aux=flag, micro_batches=2)(w, x), tuple[Any, Any])
-assert_type(fxaccum.value_and_grad(loss, micro_batch_size=2)(w, x), tuple[jax.Array, Any])
-assert_type(fxaccum.value_and_grad(loss, skip_nonfinite=True, micro_batches=2)(w, x),
-            tuple[Any, Any])
+# One result shape per has_aux, whatever else is asked for.
+assert_type(fxaccum.value_and_grad(loss, micro_batches=fxaccum.MicroBatchSize(2))(w, x),
+            tuple[jax.Array, Any])
+assert_type(fxaccum.value_and_grad(loss, skip_nonfinite=True, fsdp="zero3", micro_batches=2)(
+    w, x), tuple[jax.Array, Any])
+assert_type(fxaccum.grad(loss, micro_batches=2)(w, x), Any)
+assert_type(fxaccum.grad(loss_and_aux, has_aux=True, micro_batches=2)(w, x), tuple[Any, Any])
+# Deferred sync is its own entry point, its gradients their own type.
+assert_type(fxaccum.value_and_unreduced_grad(loss, micro_batches=2)(w, x),
+            tuple[jax.Array, fxaccum.Unreduced])
+assert_type(fxaccum.value_and_unreduced_grad(loss_and_aux, has_aux=True, micro_batches=2)(w, x),
+            tuple[tuple[jax.Array, Any], fxaccum.Unreduced])
 fxaccum.value_and_grad(loss, micro_batches=2)(w)  # error: x is missing
 fxaccum.value_and_grad(loss, micro_batchez=2)  # error: a misspelt option
+fxaccum.value_and_grad(loss)  # error: micro_batches is required
 fxaccum.grad(loss, micro_batches=2, view="devices")  # error: not a view
+fxaccum.grad(loss, micro_batches=2, fsdp="zero4")  # error: not a strategy
+fxaccum.value_and_grad(loss, micro_batches=2, noise_scale=True)  # error: a removed option
+fxaccum.value_and_unreduced_grad(loss, micro_batches=2, fsdp="auto")  # error: not taken here

@@ -1,6 +1,7 @@
-"""fsdp_gather="per_micro_batch" (ZeRO-3): FSDP params gathered where they are used, inside
-the micro-batch loop and inside a scan over stacked layers, gathered again in the backward
-pass; exact against jax.value_and_grad on the whole batch."""
+"""FSDP strategies. fsdp="zero3": params gathered where they are used, inside the
+micro-batch loop and inside a scan over stacked layers, gathered again in the backward
+pass; fsdp="auto" takes it where it lowers the peak. Exact against jax.value_and_grad on
+the whole batch."""
 
 import flax.linen as nn
 import jax
@@ -80,7 +81,7 @@ def test_gathered_per_use_is_exact_on_an_mlp(axis_type, k):
   mesh = mesh_of((8,), ("data",), axis_type)
   params, data = make_params(), make_data(k=k)
   step = jax.jit(fxaccum.value_and_grad(
-      weighted_loss, micro_batches=k, fsdp_gather="per_micro_batch",
+      weighted_loss, micro_batches=k, fsdp="zero3",
       param_shardings=MLP_SPECS if axis_type == AxisType.Auto else None))
   with jax.set_mesh(mesh):
     args = (put(params, mesh, MLP_SPECS), put(data, mesh, DATA))
@@ -101,8 +102,7 @@ def test_scanned_layers_are_gathered_one_layer_at_a_time(k):
   layers = 4
   loss, params, data = stack_setup(layers)
   mesh = mesh_of((8,), ("data",), AxisType.Explicit)
-  step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=k, fsdp_gather="per_micro_batch",
-                                        view="device"))
+  step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=k, fsdp="zero3", view="device"))
   with jax.set_mesh(mesh):
     args = (fsdp_put(params, mesh), jax.device_put(data, NamedSharding(mesh, P("data"))))
     rep = diagnostics.report(step, *args)
@@ -127,16 +127,14 @@ def test_peak_memory_does_not_grow_with_the_whole_params():
       loss, params, data = stack_setup(layers, batch=64, width=128)
       param_bytes[layers] = sum(a.nbytes for a in jax.tree.leaves(params))
       args = (fsdp_put(params, mesh), jax.device_put(data, NamedSharding(mesh, P("data"))))
-      for gather, reduce in (("per_micro_batch", "per_micro_batch"), ("per_step", "per_step")):
-        step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=4, fsdp_gather=gather,
-                                              fsdp_reduce=reduce, view="device"))
+      for fsdp in ("zero3", "zero1"):
+        step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=4, fsdp=fsdp, view="device"))
         memory = step.lower(*args).compile().memory_analysis()
-        temps[gather, layers] = memory.temp_size_in_bytes
+        temps[fsdp, layers] = memory.temp_size_in_bytes
   added = param_bytes[16] - param_bytes[8]
-  grown = {gather: temps[gather, 16] - temps[gather, 8] for gather in ("per_micro_batch",
-                                                                       "per_step")}
-  assert grown["per_step"] >= added, (grown, added)
-  assert grown["per_micro_batch"] < added / 2, (grown, added)
+  grown = {fsdp: temps[fsdp, 16] - temps[fsdp, 8] for fsdp in ("zero3", "zero1")}
+  assert grown["zero1"] >= added, (grown, added)
+  assert grown["zero3"] < added / 2, (grown, added)
 
 
 def test_plain_scan_over_stacked_params_with_a_loop_invariant_param():
@@ -155,18 +153,15 @@ def test_plain_scan_over_stacked_params_with_a_loop_invariant_param():
 
   mesh = mesh_of((8,), ("data",), AxisType.Explicit)
   specs = {"stack": P(None, "data"), "shared": P("data")}
-  step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=2, fsdp_gather="per_micro_batch"))
+  step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=2, fsdp="zero3"))
   with jax.set_mesh(mesh):
     got = step(put(params, mesh, specs), put(data, mesh, {"x": P("data")}))
   assert_tree_close(got, jax.value_and_grad(loss)(params, data))
 
 
-def test_fsdp_gather_errors():
-  with pytest.raises(ValueError, match="fsdp_gather must be one of"):
-    fxaccum.value_and_grad(weighted_loss, micro_batches=2, fsdp_gather="per_layer")
-  with pytest.raises(ValueError, match="fsdp_reduce='per_micro_batch'"):
-    fxaccum.value_and_grad(weighted_loss, micro_batches=2, fsdp_gather="per_micro_batch",
-                           fsdp_reduce="per_step")
+def test_fsdp_errors():
+  with pytest.raises(ValueError, match="fsdp must be one of"):
+    fxaccum.value_and_grad(weighted_loss, micro_batches=2, fsdp="per_layer")
 
 
 def test_a_step_in_the_global_view_warns_that_it_gathers_per_step():
@@ -178,8 +173,8 @@ def test_a_step_in_the_global_view_warns_that_it_gathers_per_step():
     return jnp.mean((h @ params["w2"])[..., 0] ** 2)
 
   mesh = mesh_of((8,), ("data",), AxisType.Auto)
-  step = jax.jit(fxaccum.value_and_grad(batch_mean_loss, micro_batches=2,
-                                        fsdp_gather="per_micro_batch", param_shardings=MLP_SPECS))
+  step = jax.jit(fxaccum.value_and_grad(batch_mean_loss, micro_batches=2, fsdp="zero3",
+                                        param_shardings=MLP_SPECS))
   params, data = make_params(), make_data(k=2)
   with jax.set_mesh(mesh), pytest.warns(UserWarning, match="has no effect on this step"):
     step(put(params, mesh, MLP_SPECS), put(data, mesh, DATA))
@@ -201,12 +196,12 @@ def test_a_param_also_sharded_over_an_explicit_model_axis_is_not_gathered_per_us
 
   with jax.set_mesh(mesh):
     args = ({"w": jax.device_put(w, P("data", "model"))}, {"x": jax.device_put(x, P("data"))})
-    step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=2, fsdp_gather="per_micro_batch"))
+    step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=2, fsdp="zero3"))
     with pytest.warns(UserWarning, match="has no effect on this step"):
       got = step(*args)
     (path,) = diagnostics.paths(step, *args)
     reference = jax.jit(jax.value_and_grad(loss))(*args)  # the whole batch, plain JAX
-  assert path.view == "global" and "fsdp_gather='per_step'" in path.reason, path
+  assert path.view == "global" and "fsdp='auto' gathers" in path.reason, path
   assert_tree_close(got, reference)
 
 
@@ -222,8 +217,8 @@ class LogicalMLP(nn.Module):
     return nn.Dense(1)(x)[..., 0]
 
 
-@pytest.mark.parametrize("gather", ["per_step", "per_micro_batch"])
-def test_linen_logical_partitioning_runs_per_device(gather):
+@pytest.mark.parametrize("fsdp", ["zero2", "zero3"])
+def test_linen_logical_partitioning_runs_per_device(fsdp):
   """A linen model whose params carry logical partitioning constrains them on every apply
   under nn_partitioning.axis_rules; inside the per-device region the data axes are manual,
   so fxaccum maps them out of the rules there. The step takes the device view (it fell
@@ -250,9 +245,147 @@ def test_linen_logical_partitioning_runs_per_device(gather):
                          is_leaf=lambda s: isinstance(s, NamedSharding))
     batch = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P(("data", "fsdp"))))
     step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=2, param_shardings=specs,
-                                          fsdp_gather=gather))
+                                          fsdp=fsdp))
     rep = diagnostics.report(step, params, batch)
     got = step(params, batch)
   assert [p.view for p in rep.paths] == ["device"], rep.paths
   assert rep.select("all-gather", axes="fsdp"), rep.summary()
   assert_tree_close(got, jax.value_and_grad(loss)(nn.meta.unbox(params), {"x": x, "y": y}))
+
+
+def scanned_mlp(layers, width=256, batch=64):
+  """Layers stacked ``(layers, width, width)`` and run by ``lax.scan``, each gathering its
+  params with ``jax.sharding.reshard`` before use (as Explicit meshes require), as large
+  models are written; every kernel and bias sharded over ``data`` along its width."""
+  rng = np.random.default_rng(7)
+  params = {"w": (rng.normal(size=(layers, width, width)) / np.sqrt(width)).astype(np.float32),
+            "b": (rng.normal(size=(layers, width)) / 10).astype(np.float32)}
+  data = {"x": rng.normal(size=(batch, width)).astype(np.float32),
+          "y": rng.normal(size=(batch, width)).astype(np.float32)}
+
+  def loss(p, b):
+    def layer(h, wb):
+      w, bias = (jax.sharding.reshard(v, P()) for v in wb)
+      return jnp.tanh(h @ w + bias), None
+    h, _ = lax.scan(layer, b["x"], (p["w"], p["b"]))
+    return jnp.mean((h - b["y"]) ** 2)
+
+  return loss, params, data, {"w": P(None, None, "data"), "b": P(None, "data")}
+
+
+def compiled_peak(step, *args):
+  """Compiled peak bytes per device: temp + arguments + outputs - aliased."""
+  m = step.lower(*args).compile().memory_analysis()
+  return (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+          - m.alias_size_in_bytes)
+
+
+@pytest.mark.parametrize("layers", [4, 8])
+def test_the_default_peaks_below_the_large_batch_on_a_scanned_fsdp_model(layers):
+  """The default takes zero3 on stacked, scanned FSDP layers: its compiled peak is at most
+  the large batch's (jax.value_and_grad on the whole batch), where gathering once per step
+  (zero2, the default before) needs about twice the large batch's. Exact."""
+  loss, params, data, specs = scanned_mlp(layers)
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=8))
+  with jax.set_mesh(mesh):
+    args = (put(params, mesh, specs), put(data, mesh, {"x": P("data"), "y": P("data")}))
+    peaks = {name: compiled_peak(jax.jit(f), *args) for name, f in (
+        ("large batch", jax.value_and_grad(loss)), ("default", step),
+        ("zero2", fxaccum.value_and_grad(loss, micro_batches=8, fsdp="zero2")))}
+    (path,) = diagnostics.paths(step, *args)
+    got = step(*args)
+    reference = jax.value_and_grad(loss)(params, data)  # unsharded
+  assert path.fsdp.startswith("zero3: params stacked over layers are scanned"), path
+  assert peaks["default"] <= peaks["large batch"] < peaks["zero2"] / 1.5, peaks
+  assert_tree_close(got, reference)
+
+
+def test_zero3_gathers_each_layer_again_in_the_backward_pass():
+  """A layer that reshards its gathered param (or casts it): zero3 keeps neither for the
+  backward pass but gathers the layer again there, 2 x layers x k gathers of one layer
+  (before, the reshard was kept: one gather per layer and micro-batch, and every layer's
+  whole param live until the backward pass)."""
+  layers, k = 4, 2
+  loss, params, data, specs = scanned_mlp(layers, width=64, batch=32)
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=k, fsdp="zero3"))
+  with jax.set_mesh(mesh):
+    args = (put(params, mesh, specs), put(data, mesh, {"x": P("data"), "y": P("data")}))
+    rep = diagnostics.report(step, *args)
+  layer_bytes = params["w"][0].nbytes
+  per_layer = [c for c in rep.select("all-gather", axes="data") if c.bytes == layer_bytes]
+  assert sum(c.executions for c in per_layer) == 2 * layers * k, rep.summary()
+
+
+class WideMLP(nn.Module):
+  """Unrolled layers (a Python loop of nn.Dense)."""
+
+  width: int
+  layers: int = 3
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.layers):
+      x = nn.gelu(nn.Dense(self.width)(x))
+    return nn.Dense(1)(x)[..., 0]
+
+
+@pytest.mark.parametrize("width,batch", [(256, 16), (16, 512)])
+def test_auto_gathers_unrolled_layers_once_per_step(width, batch):
+  """Unrolled layers (0.8 MiB of params beside 1 row per device and micro-batch, and 3 KiB
+  beside 32 rows): zero2, gathered once per step; whether zero3 would lower their peak is
+  the compiler's schedule, while its second gather per micro-batch always costs. The path
+  says which and why; exact."""
+  model = WideMLP(width)
+  rng = np.random.default_rng(2)
+  data = {"x": rng.normal(size=(batch, width)).astype(np.float32),
+          "y": rng.normal(size=(batch,)).astype(np.float32)}
+  params = model.init(jax.random.key(0), data["x"][:1])
+
+  def loss(p, b):
+    return jnp.mean((model.apply(p, b["x"]) - b["y"]) ** 2)
+
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=2))
+  with jax.set_mesh(mesh):
+    args = (fsdp_put(params, mesh), jax.device_put(data, NamedSharding(mesh, P("data"))))
+    (path,) = diagnostics.paths(step, *args)
+    got = step(*args)
+  assert path.view == "device", path
+  assert path.fsdp.startswith("zero2: gathered once per step: no FSDP param is scanned"), path
+  assert_tree_close(got, jax.value_and_grad(loss)(params, data))
+
+
+def test_zero3_skips_a_non_finite_micro_batch_on_every_device():
+  """skip_nonfinite with zero3: each micro-batch's gradient is reduce-scattered as the
+  backward pass makes it, so no device can drop its share alone; the whole global
+  micro-batch is dropped. (Before, the device whose rows held the NaN dropped them, as did
+  the one whose shard held the NaN gradient element, and the others kept the rest: a
+  linear loss keeps the NaN in one element.) Equal to the mean over the other global
+  micro-batches."""
+  k, bad_row, width = 4, 21, 16
+  rng = np.random.default_rng(4)
+  params = {"w": rng.normal(size=(width,)).astype(np.float32)}
+  data = {"x": rng.normal(size=(64, width)).astype(np.float32)}
+  data["x"][bad_row, 3] = np.nan
+
+  def loss(p, b):
+    return jnp.mean(jnp.sum(b["x"] * p["w"], axis=-1))
+
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  step = jax.jit(fxaccum.value_and_grad(lambda p, b: (loss(p, b), fxaccum.Statistics()),
+                                        has_aux=True, micro_batches=k, fsdp="zero3",
+                                        skip_nonfinite=True))
+  with jax.set_mesh(mesh):
+    args = (put(params, mesh, {"w": P("data")}), put(data, mesh, {"x": P("data")}))
+    (value, stats), grads = step(*args)
+  # Micro-batch i holds rows i::k of each device's 8 rows.
+  bad = (bad_row % 8) % k
+  kept = [data["x"].reshape(8, 8 // k, k, width)[:, :, i].reshape(-1, width)
+          for i in range(k) if i != bad]
+  ref = jax.value_and_grad(lambda p: sum(loss(p, {"x": x}) for x in kept) / len(kept))(params)
+  assert_tree_close((value, grads), ref)
+  assert int(stats.skipped) == 8  # every device's share of one micro-batch
+  assert np.isnan(float(stats.noise_scale.b_simple))  # zero3 holds no micro-batch gradient
+
