@@ -51,8 +51,8 @@ def choose(traced: gather_lib.Traced, blocker: str | None) -> Choice:
   where zero2 holds the whole params through the step (about twice the large batch's peak
   on that layout). Elsewhere zero2: for unrolled layers the compiler's schedule decides
   how much zero3's gathering where used lowers the peak (on XLA:CPU, which runs an
-  unrolled program's gathers at its start: 12-27 % measured), while its second gather
-  per micro-batch always costs (up to 1.6x the time measured). ``blocker``: why zero3
+  unrolled program's gathers at its start: -2 to 27 % measured), while its second
+  gather per micro-batch costs time (up to 1.8x measured). ``blocker``: why zero3
   cannot run this step (then zero2).
   """
   if blocker:

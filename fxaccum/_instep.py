@@ -1368,7 +1368,8 @@ def _loop(config: _Config, call: _Call, axes: tuple[str, ...], whole: list[Any],
   # The micro-step is traced once: its outputs (abstract, with the manual axes each varies
   # over) shape the accumulators, and the loop body runs its jaxpr.
   closed, shapes = jax.make_jaxpr(step, return_shape=True)(whole, jnp.int32(0), call.state)
-  sums = _Sums.of(config, call, closed, shapes, axes, presummed, grads, noise=traced is None)
+  sums = _Sums.of(config, call, closed, shapes, axes, presummed, grads,
+                  micro_gradients=traced is None)
   if direct and sums.statistics:
     raise _StatisticsPerDevice()
   _warn_batch_shaped(config, call, whole, gather_dims, sums.markers)
@@ -1433,7 +1434,9 @@ class _Sums:
 
   @staticmethod
   def of(config: _Config, call: _Call, closed: Any, shapes: Any, axes: tuple[str, ...],
-         presummed: bool, grads: acc.Accumulator, noise: bool) -> _Sums:
+         presummed: bool, grads: acc.Accumulator, micro_gradients: bool) -> _Sums:
+    """The accumulators of a micro-step traced as ``closed``; ``micro_gradients``: whether
+    it returns each micro-batch's gradient before any reduction (not zero3's)."""
     out_def = jax.tree.structure(shapes)
     (total_aval, (weight_aval, aux_avals, _, _)), _ = jax.tree.unflatten(
         out_def, closed.out_avals)
@@ -1449,7 +1452,7 @@ class _Sums:
     # The noise scale's small batches are each device's share of a micro-batch (or the
     # global micro-batch): a device's gradient must be that share's, not yet reduced, of a
     # mean loss, and the step's gradient must be reduced.
-    noise = (statistics and noise and config.reduce and kind != "sum"
+    noise = (statistics and micro_gradients and config.reduce and kind != "sum"
              and set(weight_axes) == set(axes))
     batch_rows = jax.tree.leaves(call.batch(config))[0].shape[0]
     return _Sums(
