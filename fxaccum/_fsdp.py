@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-from fxaccum import _gather as gather_lib
-
 __all__ = ["STRATEGIES", "Choice", "Fsdp", "Strategy", "choose", "forced"]
 
 Strategy = Literal["zero1", "zero2", "zero3"]
@@ -43,9 +41,9 @@ def forced(fsdp: Strategy) -> Choice:
   return Choice(fsdp, f"fsdp='{fsdp}'")
 
 
-def choose(traced: gather_lib.Traced, blocker: str | None) -> Choice:
-  """The strategy of ``fsdp="auto"`` for a loss :func:`fxaccum._gather.trace` d on one
-  device's micro-batch.
+def choose(stacked: bool, blocker: str | None) -> Choice:
+  """The strategy of ``fsdp="auto"`` for a loss that scans over stacked FSDP layers or not
+  (``stacked``: :func:`fxaccum._gather.per_layer`).
 
   zero3 where the loss scans over stacked FSDP layers: it gathers one layer at a time,
   where zero2 holds the whole params through the step (about twice the large batch's peak
@@ -57,7 +55,7 @@ def choose(traced: gather_lib.Traced, blocker: str | None) -> Choice:
   """
   if blocker:
     return Choice("zero2", f"gathered once per step: {blocker}")
-  if gather_lib.per_layer(traced):
+  if stacked:
     return Choice("zero3", "params stacked over layers are scanned: gathered one layer at "
                   "a time, where used")
   return Choice("zero2", "gathered once per step: no FSDP param is scanned over as stacked "

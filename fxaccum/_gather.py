@@ -56,11 +56,6 @@ class Traced(NamedTuple):
   out_shape: Any
   dims: tuple[sync.DataDims, ...]  # per param leaf: its sharded dims (``()``: whole)
 
-  def sharded(self) -> dict[Any, sync.DataDims]:
-    """The jaxpr's inputs that are sharded params, with their sharded dims."""
-    params = self.closed.jaxpr.invars[:len(self.dims)]
-    return {var: dims for var, dims in zip(params, self.dims, strict=True) if dims}
-
 
 def trace(fun: Callable[..., Any], shards: Sequence[Any], dims: Sequence[sync.DataDims],
           *args: Any) -> Traced:
@@ -91,17 +86,21 @@ def value_and_grad(traced: Traced, shards: Sequence[Any], *args: Any) -> Any:
   return jax.value_and_grad(checkpointed, has_aux=True)(list(shards))
 
 
-def per_layer(traced: Traced) -> bool:
-  """Whether :func:`value_and_grad` gathers some param one slice at a time: a ``scan`` over
-  layers takes it (stacked, sharded along another dimension than the layers') as ``xs``,
-  as ``nn.scan`` and ``lax.scan`` over stacked params do (see :func:`_scan`)."""
-  sharded = traced.sharded()
-  for eqn in traced.closed.jaxpr.eqns:
+def per_layer(jaxpr: jcore.Jaxpr, dims: Sequence[sync.DataDims]) -> bool:
+  """Whether :func:`value_and_grad` would gather some param one slice at a time: a ``scan``
+  over layers takes it (stacked, sharded along another dimension than the layers') as
+  ``xs``, as ``nn.scan`` and ``lax.scan`` over stacked params do (see :func:`_scan`).
+  ``jaxpr``'s first inputs are the params, sharded along ``dims``: the loss's forward
+  pass, or the micro-step it is differentiated in (its forward scan takes them as they
+  are)."""
+  params = jaxpr.invars[:len(dims)]
+  sharded = {var: d for var, d in zip(params, dims, strict=True) if d}
+  for eqn in jaxpr.eqns:
     if eqn.primitive is primitives.scan_p:
       n_consts, n_carry = scan_counts(eqn.params)
       for var in eqn.invars[n_consts + n_carry:]:
-        dims = None if isinstance(var, jcore.Literal) else sharded.get(var)
-        if dims and all(dim > 0 for dim, _ in dims):
+        var_dims = None if isinstance(var, jcore.Literal) else sharded.get(var)
+        if var_dims and all(dim > 0 for dim, _ in var_dims):
           return True
   return False
 

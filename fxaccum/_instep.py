@@ -762,11 +762,11 @@ def _run(config: _Config, layout: sync.Layout, kwargs: dict, modules: _nnx.Modul
     path = _view.Path("global", "the batch is not split over data-parallel devices", ())
     value_aux, grads, after = _global(config, layout, path, frozenset(), call)
   else:
-    path, reducible, traced_aux = _decide(config, layout, call)
+    path, reducible, traced_aux, stacked = _decide(config, layout, call)
     value_aux = None
     if path.view == "device":
       try:
-        value_aux, grads, after = _device(config, layout, path, call, traced_aux)
+        value_aux, grads, after = _device(config, layout, path, call, traced_aux, stacked)
       except Exception as err:  # noqa: BLE001 - any failure to trace per device
         if config.view == "device":
           raise ValueError(
@@ -846,12 +846,15 @@ def _first_line(err: BaseException) -> str:
 
 
 class _Decision(NamedTuple):
-  """The view for a call, the leaves the global view may keep ``reduced``, and the aux the
-  analysis traced (abstract, with its markers; None where it traced none)."""
+  """The view for a call, the leaves the global view may keep ``reduced``, the aux the
+  analysis traced (abstract, with its markers; None where it traced none), and whether its
+  micro-step scans over stacked FSDP params (:func:`fxaccum._gather.per_layer`; None where
+  it traced none)."""
 
   path: _view.Path
   reducible: frozenset[int] = frozenset()
   aux: Any = None
+  stacked: bool | None = None
 
 
 def _decide(config: _Config, layout: sync.Layout, call: _Call) -> _Decision:
@@ -863,7 +866,7 @@ def _decide(config: _Config, layout: sync.Layout, call: _Call) -> _Decision:
   problem: str | None = None
   reducible: frozenset[int] = frozenset()
   try:
-    for analysis, roles, aux in _analyses(config, layout, call,
+    for analysis, roles, aux, jaxpr in _analyses(config, layout, call,
                                           paired=config.view == "auto"):
       reducible = analysis.reducible if explicit else frozenset()
       blockers = [*analysis.blockers,
@@ -879,13 +882,15 @@ def _decide(config: _Config, layout: sync.Layout, call: _Call) -> _Decision:
           raise ValueError(
               f"view='device' cannot run this loss per device: {blockers[0]}. Use "
               "view='auto' (the default) or view='global'.")
-        return _Decision(_view.Path("device", "view='device'", axes), reducible, aux)
+        return _Decision(_view.Path("device", "view='device'", axes), reducible, aux,
+                         gather_lib.per_layer(jaxpr, layout.param_dims))
       if config.view == "global":
         return _Decision(_view.Path("global", "view='global'", axes), reducible)
       found, what = _view.classify(analysis.outputs, roles, summed=call.kinds[-1] == "sum")
       if not blockers and found is None:
         return _Decision(_view.Path(
-            "device", f"the loss is a {what} of per-example terms", axes), reducible, aux)
+            "device", f"the loss is a {what} of per-example terms", axes), reducible, aux,
+            gather_lib.per_layer(jaxpr, layout.param_dims))
       problem = problem or (blockers[0] if blockers else found)
       if blockers:  # no other trace removes a blocker
         break
@@ -908,8 +913,8 @@ class _NoDeviceTrace(Exception):
 
 def _analyses(config: _Config, layout: sync.Layout, call: _Call, paired: bool):
   """:func:`fxaccum._analysis.analyze` of one micro-step (the loss, its aux and state, and
-  its gradients), with each output's role and the traced aux: ``(analysis, roles, aux)``,
-  generated lazily.
+  its gradients), with each output's role, the traced aux and the micro-step's jaxpr:
+  ``(analysis, roles, aux, jaxpr)``, generated lazily.
 
   With ``paired``, the step is first traced with a *symbolic* number of rows: a proof on
   that jaxpr holds for every number of rows, so for the global micro-batch and for each
@@ -954,7 +959,7 @@ def _analyses(config: _Config, layout: sync.Layout, call: _Call, paired: bool):
         closed, rows=rows, batch_inputs=range(n_diff, n_diff + n_micro),
         param_inputs=range(n_diff), partner=partner,
         partner_rows=rows // devices if partner is not None else None), _roles(
-            closed, aux, state, sown, n_diff, n_micro), aux
+            closed, aux, state, sown, n_diff, n_micro), aux, closed.jaxpr
 
   if paired:
     (symbol,) = jax.export.symbolic_shape("rows")
@@ -1041,9 +1046,10 @@ def _gathered(leaf: Any, data_axes: tuple[str, ...], batch: bool = False) -> Any
 
 
 def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call,
-            traced_aux: Any = None):
+            traced_aux: Any = None, stacked: bool | None = None):
   """Per-device view: a shard_map manual over the data axes, one reduction after the loop.
-  ``traced_aux``: the aux as the view analysis traced it (its markers), if it did."""
+  ``traced_aux`` and ``stacked``: the aux as the view analysis traced it (its markers),
+  and whether its micro-step scans over stacked FSDP params, if it traced one."""
   axes = layout.data_axes
   batch_spec = P(axes)
   rest_specs = tuple(_specs_like(a, batch_spec if i in config.batch_argnums else P())
@@ -1068,7 +1074,7 @@ def _device(config: _Config, layout: sync.Layout, path: _view.Path, call: _Call,
   chosen: list[fsdp_lib.Choice] = []  # the FSDP strategy, chosen in the region
 
   def local(*args):
-    return _device_loop(config, layout, local_call(*args), chosen=chosen)
+    return _device_loop(config, layout, local_call(*args), chosen=chosen, stacked=stacked)
 
   in_specs = (param_specs, rest_specs, [P()] * len(arrays), P())
   grad_specs = param_specs if config.reduce else (
@@ -1161,15 +1167,16 @@ def _is_array(x: Any) -> bool:
 
 
 def _device_loop(config: _Config, layout: sync.Layout, call: _Call, presummed: bool = False,
-                 chosen: list[fsdp_lib.Choice] | None = None):
+                 chosen: list[fsdp_lib.Choice] | None = None, stacked: bool | None = None):
   """Inside the data-manual region: local sums over the micro-batches, then reductions
-  (``presummed``: see :func:`_loop`). The FSDP strategy taken is appended to ``chosen``."""
+  (``presummed``: see :func:`_loop`). The FSDP strategy taken is appended to ``chosen``;
+  ``stacked``: see :func:`_fsdp_choice`."""
   axes = layout.data_axes
   # Varying (per-device) params: jax.grad then returns local partial sums, no psum.
   shards = sync.vary(list(call.diff_leaves), axes)
   strategy, traced = "zero2", None
   if any(layout.param_dims):
-    choice, traced = _fsdp_choice(config, layout, call, shards)
+    choice, traced = _fsdp_choice(config, layout, call, shards, stacked)
     strategy = choice.strategy
     if chosen is not None:
       chosen.append(choice)
@@ -1203,23 +1210,34 @@ def _device_loop(config: _Config, layout: sync.Layout, call: _Call, presummed: b
   return value_aux, grads, after
 
 
-def _fsdp_choice(config: _Config, layout: sync.Layout, call: _Call, shards: list[Any]
-                 ) -> tuple[fsdp_lib.Choice, gather_lib.Traced | None]:
+def _fsdp_choice(config: _Config, layout: sync.Layout, call: _Call, shards: list[Any],
+                 stacked: bool | None) -> tuple[fsdp_lib.Choice, gather_lib.Traced | None]:
   """The FSDP strategy of this step (:mod:`fxaccum._fsdp`) and, for zero3, the loss traced
-  on whole params, which its loop runs on the shards."""
+  on whole params, which its loop runs on the shards. ``stacked``: whether the view
+  analysis's micro-step scans over stacked FSDP params (None: it traced none; the loss's
+  forward pass is read instead)."""
   if config.fsdp in ("zero1", "zero2"):
     return fsdp_lib.forced(config.fsdp), None
   blocker = _zero3_blocker(call.diff_leaves, layout)
   if config.fsdp == "zero3" and blocker:
     raise ValueError(f"fsdp='zero3' cannot run this step: {blocker}; fsdp='auto' gathers "
                      "such a param once per step")
-  micro = split.micro_batch(call.batch(config), 0, config.micro_batches)
-  traced = gather_lib.trace(_micro_loss(config, call), shards, layout.param_dims, micro,
+
+  def traced() -> gather_lib.Traced:
+    micro = split.micro_batch(call.batch(config), 0, config.micro_batches)
+    return gather_lib.trace(_micro_loss(config, call), shards, layout.param_dims, micro,
                             jnp.int32(0), call.state)
+
   if config.fsdp == "zero3":
-    return fsdp_lib.forced("zero3"), traced
-  choice = fsdp_lib.choose(traced, blocker)
-  return choice, traced if choice.strategy == "zero3" else None
+    return fsdp_lib.forced("zero3"), traced()
+  forward = None
+  if stacked is None:  # the view analysis traced no micro-step: read the forward pass
+    forward = traced()
+    stacked = gather_lib.per_layer(forward.closed.jaxpr, layout.param_dims)
+  choice = fsdp_lib.choose(stacked, blocker)
+  if choice.strategy != "zero3":
+    return choice, None
+  return choice, forward or traced()
 
 
 def _zero3_blocker(leaves: Sequence[Any], layout: sync.Layout) -> str | None:
