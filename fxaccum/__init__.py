@@ -1,19 +1,56 @@
-"""fxaccum: exact, communication-optimal, memory-flat gradient accumulation for JAX."""
+"""fxaccum: exact, communication-optimal, memory-flat gradient accumulation for JAX.
 
-from fxaccum import checkpoint, diagnostics
-from fxaccum._dynamic_scale import DynamicScale
-from fxaccum._flax import Optimizer, TrainState
+The flax and Orbax integrations (``TrainState``, ``Optimizer``, ``DynamicScale``,
+``fxaccum.checkpoint``), the pipeline, the planner and ``fxaccum.diagnostics`` load on
+first use: ``import fxaccum`` loads neither flax nor Orbax.
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from fxaccum._instep import grad, value_and_grad, value_and_unreduced_grad
 from fxaccum._noise import NoiseScale
-from fxaccum._pipeline import pipeline
-from fxaccum._plan import Plan, PlanRow, plan_micro_batches
 from fxaccum._split import MicroBatchSize
 from fxaccum._statistics import Statistics
 from fxaccum._sync import Unreduced
 from fxaccum._transform import AccumulateState, accumulate, apply_gradients, is_boundary
 from fxaccum._weighted import Concat, Max, Min, State, Sum, Weighted
 
+if TYPE_CHECKING:
+  from fxaccum import checkpoint, diagnostics
+  from fxaccum._dynamic_scale import DynamicScale
+  from fxaccum._flax import Optimizer, TrainState
+  from fxaccum._pipeline import pipeline
+  from fxaccum._plan import Plan, PlanRow, plan_micro_batches
+
 __version__ = "0.1.0"
+
+# Public names loaded when first asked for: those whose module imports flax or Orbax, and
+# those a training step does not need (the pipeline, the planner, the diagnostics).
+_LAZY = {"checkpoint": ("fxaccum.checkpoint", None),
+         "diagnostics": ("fxaccum.diagnostics", None),
+         "DynamicScale": ("fxaccum._dynamic_scale", "DynamicScale"),
+         "Optimizer": ("fxaccum._flax", "Optimizer"),
+         "TrainState": ("fxaccum._flax", "TrainState"),
+         "pipeline": ("fxaccum._pipeline", "pipeline"),
+         "Plan": ("fxaccum._plan", "Plan"),
+         "PlanRow": ("fxaccum._plan", "PlanRow"),
+         "plan_micro_batches": ("fxaccum._plan", "plan_micro_batches")}
+
+
+def __getattr__(name: str) -> Any:
+  if name not in _LAZY:
+    raise AttributeError(f"module 'fxaccum' has no attribute {name!r}")
+  module_name, attribute = _LAZY[name]
+  module = importlib.import_module(module_name)
+  value = module if attribute is None else getattr(module, attribute)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(__all__)
+
 
 __all__ = [
     "AccumulateState",

@@ -20,20 +20,20 @@ import dataclasses
 import functools
 import inspect
 import math
+import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple, ParamSpec, TypedDict, Unpack, overload
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, ParamSpec, TypedDict, Unpack, overload
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax import lax
 from jax.extend import core as jcore
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fxaccum import _accumulators as acc
-from fxaccum import _analysis, _nnx, _symbolic, _view
+from fxaccum import _analysis, _symbolic, _view
 from fxaccum import _fsdp as fsdp_lib
 from fxaccum import _gather as gather_lib
 from fxaccum import _reduce as reduce_lib
@@ -55,6 +55,9 @@ from fxaccum._weighted import (
     safe_divide,
     weight_dtype,
 )
+
+if TYPE_CHECKING:
+  from fxaccum import _nnx
 
 __all__ = ["Options", "grad", "value_and_grad", "value_and_unreduced_grad"]
 
@@ -397,7 +400,8 @@ def _make_config(fun, argnums, has_aux, *, micro_batches=None, batch_argnums=1,
   if isinstance(micro_batches, MicroBatchSize):
     micro_batch_size, micro_batches = micro_batches.rows, 1  # k set per call from the rows
   micro_batches = split.check_micro_batches(micro_batches)
-  argnums, filters = _nnx.argnums_and_filters(argnums)
+  nnx_lib = _nnx_loaded()
+  argnums, filters = nnx_lib.argnums_and_filters(argnums) if nnx_lib else (argnums, {})
   diff_argnums = split.as_argnums(argnums, "argnums")
   batch_argnums_t = split.as_argnums(batch_argnums, "batch_argnums")
   rng_argnums_t = split.as_argnums(rng_argnums, "rng_argnums")
@@ -461,7 +465,10 @@ def _call(config: _Config, compiled: dict, args: Sequence[Any], kwargs: dict) ->
     )
   module_args = args
   _check_graph_nodes(args, config)
-  args, state, sown, modules = _nnx.Modules.split(args, config.diff_argnums, config.filters)
+  nnx_lib = _nnx_loaded()
+  args, state, sown, modules = (
+      nnx_lib.Modules.split(args, config.diff_argnums, config.filters) if nnx_lib
+      else (list(args), (), (), None))
   # Threaded: the NNX graph nodes' state, and the arguments at state_argnums.
   state = (state, tuple(args[i] for i in config.state_argnums))
   diff = [args[i] for i in config.diff_argnums]
@@ -511,6 +518,15 @@ def _call(config: _Config, compiled: dict, args: Sequence[Any], kwargs: dict) ->
   return out
 
 
+def _nnx_loaded() -> Any:
+  """:mod:`fxaccum._nnx` where flax NNX is loaded (an NNX graph node or ``DiffState`` can
+  only exist then), else None: fxaccum loads no flax of its own."""
+  if "flax.nnx" not in sys.modules:
+    return None
+  from fxaccum import _nnx  # imports flax, loaded already
+  return _nnx
+
+
 def _sized(config: _Config, rows: int, devices: int) -> _Config:
   """The config for a batch of ``rows`` rows with ``MicroBatchSize(m)``: ``k = rows // m``."""
   m = config.micro_batch_size
@@ -535,7 +551,7 @@ def _check_graph_nodes(args: Sequence[Any], config: _Config) -> None:
                         ("rng_argnums", config.rng_argnums),
                         ("state_argnums", config.state_argnums)):
     for i in argnums:
-      if nnx.graph.is_graph_node(args[i]):
+      if (nnx_lib := _nnx_loaded()) and nnx_lib.is_graph_node(args[i]):
         raise TypeError(
             f"argument {i} is an {type(args[i]).__name__} (an NNX graph node), but "
             f"{name}={getattr(config, name)} names it. fxaccum threads NNX graph nodes "

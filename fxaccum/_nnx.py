@@ -18,10 +18,15 @@ from typing import Any
 import jax
 from flax import nnx
 
-__all__ = ["Modules", "argnums_and_filters"]
+__all__ = ["Modules", "argnums_and_filters", "is_graph_node"]
 
 # nnx.split's return is typed as a variadic tuple, which cannot be unpacked into names.
 _split_module: Callable[..., Any] = nnx.split
+
+
+def is_graph_node(x: Any) -> bool:
+  """Whether ``x`` is an NNX graph node (a module, ``nnx.Rngs``, a ``Variable``...)."""
+  return nnx.graph.is_graph_node(x)
 
 
 def argnums_and_filters(argnums: Any) -> tuple[Any, dict[int, Any]]:
@@ -57,7 +62,7 @@ class Modules:
             ) -> tuple[list[Any], Any, Any, Modules | None]:
     """``(args, state, sown, modules)``: the graph nodes in ``args`` replaced by their
     differentiated state (or None), their threaded state, and their sown values."""
-    positions = tuple(i for i, a in enumerate(args) if nnx.graph.is_graph_node(a))
+    positions = tuple(i for i, a in enumerate(args) if is_graph_node(a))
     if not positions:
       return list(args), (), (), None
     wrt = tuple(filters.get(i, nnx.Param) if i in diff_argnums else None for i in positions)

@@ -29,13 +29,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from flax.linen import partitioning as nn_partitioning
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -207,7 +206,13 @@ def linen_rules_without_manual_axes() -> Iterator[None]:
   ``apply`` (flax checks the param against its init function, under the active
   ``nn_partitioning.axis_rules``). Inside the per-device region the data axes are manual
   and a constraint naming them is an error, although the per-device value is whole there.
+  (Without flax linen loaded there are no such rules: fxaccum loads no flax of its own.)
   """
+  if "flax.linen" not in sys.modules:
+    yield
+    return
+  from flax.linen import partitioning as nn_partitioning  # loaded already
+
   rules = nn_partitioning.get_axis_rules()
   manual = manual_axes()
   if not rules or not manual:
@@ -322,6 +327,9 @@ def param_hints(diff: Sequence[Any], param_shardings: Sequence[Any] | None) -> t
           f"NamedSharding or None leaves: {err}") from None
     specs = jax.tree.leaves(full, is_leaf=lambda x: x is None or _is_spec(x))
     return tuple(s.spec if isinstance(s, NamedSharding) else s for s in specs)
+  nnx = sys.modules.get("flax.nnx")  # NNX Variables exist only where flax NNX is loaded
+  if nnx is None:
+    return (None,) * len(jax.tree.leaves(tuple(diff)))
   hints: list[P | None] = []
   for node in jax.tree.leaves(tuple(diff), is_leaf=lambda x: isinstance(x, nnx.Variable)):
     spec = None
