@@ -8,20 +8,19 @@ first use: ``import fxaccum`` loads neither flax nor Orbax.
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from fxaccum._instep import grad, value_and_grad, value_and_unreduced_grad
-from fxaccum._noise import NoiseScale
-from fxaccum._split import MicroBatchSize
-from fxaccum._statistics import Statistics
-from fxaccum._sync import Unreduced
-from fxaccum._transform import AccumulateState, accumulate, apply_gradients, is_boundary
-from fxaccum._weighted import Concat, Max, Min, State, Sum, Weighted
+from fxaccum.crossstep import AccumulateState, accumulate, apply_gradients, is_boundary
+from fxaccum.instep import grad, value_and_grad, value_and_unreduced_grad
+from fxaccum.markers import Concat, Max, Min, State, Sum, Weighted
+from fxaccum.reductions import Unreduced
+from fxaccum.split import MicroBatchSize
+from fxaccum.statistics import NoiseScale, Statistics
 
 if TYPE_CHECKING:
   from fxaccum import checkpoint, diagnostics
-  from fxaccum._dynamic_scale import DynamicScale
-  from fxaccum._flax import Optimizer, TrainState
-  from fxaccum._pipeline import pipeline
-  from fxaccum._plan import Plan, PlanRow, plan_micro_batches
+  from fxaccum.integrations.dynamic_scale import DynamicScale
+  from fxaccum.integrations.train_states import Optimizer, TrainState
+  from fxaccum.pipelining import pipeline
+  from fxaccum.planner import Plan, PlanRow, plan_micro_batches
 
 __version__ = "0.1.0"
 
@@ -29,13 +28,13 @@ __version__ = "0.1.0"
 # those a training step does not need (the pipeline, the planner, the diagnostics).
 _LAZY = {"checkpoint": ("fxaccum.checkpoint", None),
          "diagnostics": ("fxaccum.diagnostics", None),
-         "DynamicScale": ("fxaccum._dynamic_scale", "DynamicScale"),
-         "Optimizer": ("fxaccum._flax", "Optimizer"),
-         "TrainState": ("fxaccum._flax", "TrainState"),
-         "pipeline": ("fxaccum._pipeline", "pipeline"),
-         "Plan": ("fxaccum._plan", "Plan"),
-         "PlanRow": ("fxaccum._plan", "PlanRow"),
-         "plan_micro_batches": ("fxaccum._plan", "plan_micro_batches")}
+         "DynamicScale": ("fxaccum.integrations.dynamic_scale", "DynamicScale"),
+         "Optimizer": ("fxaccum.integrations.train_states", "Optimizer"),
+         "TrainState": ("fxaccum.integrations.train_states", "TrainState"),
+         "pipeline": ("fxaccum.pipelining", "pipeline"),
+         "Plan": ("fxaccum.planner", "Plan"),
+         "PlanRow": ("fxaccum.planner", "PlanRow"),
+         "plan_micro_batches": ("fxaccum.planner", "plan_micro_batches")}
 
 
 def __getattr__(name: str) -> Any:

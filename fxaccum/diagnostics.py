@@ -27,11 +27,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from fxaccum import _sync as sync
-from fxaccum import _view
-from fxaccum._noise import NoiseScaleEMA
-from fxaccum._pipeline import bubble_fraction
-from fxaccum._view import Path
+from fxaccum import meshes
+from fxaccum.instep import paths as paths_lib
+from fxaccum.instep.paths import Path
+from fxaccum.pipelining.schedules import bubble_fraction
+from fxaccum.statistics import NoiseScaleEMA
 
 __all__ = ["Collective", "Memory", "NoiseScaleEMA", "Path", "Report", "REDUCTIONS",
            "bubble_fraction", "from_compiled", "paths", "report"]
@@ -229,7 +229,7 @@ def report(fn: Callable[..., Any], *args: Any, mesh: Any = None, **kwargs: Any) 
     fn = jax.jit(fn)
   compiled = fn.lower(*args, **kwargs).compile()
   if mesh is None:
-    mesh = sync.find_mesh(jax.tree.leaves((args, kwargs)))
+    mesh = meshes.find_mesh(jax.tree.leaves((args, kwargs)))
   return from_compiled(compiled, mesh=mesh)
 
 
@@ -256,7 +256,7 @@ def paths(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Path]:
   """
   if not hasattr(fn, "lower"):
     fn = jax.jit(fn)
-  return _view.recorded(fn.lower(*args, **kwargs).as_text(debug_info=True))
+  return paths_lib.recorded(fn.lower(*args, **kwargs).as_text(debug_info=True))
 
 
 def from_compiled(compiled: Any, mesh: Any = None) -> Report:
@@ -275,7 +275,7 @@ def from_compiled(compiled: Any, mesh: Any = None) -> Report:
   """
   text = compiled.as_text()
   return Report(tuple(parse_hlo(text, mesh)), _memory_of(compiled),
-                tuple(_view.recorded(text)))
+                tuple(paths_lib.recorded(text)))
 
 
 def _memory_of(compiled: Any) -> Memory | None:

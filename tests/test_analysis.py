@@ -302,12 +302,12 @@ def test_a_rule_that_cannot_read_its_equation_falls_back_to_the_global_view(monk
   """A JAX release that renames an equation's parameters (JAX 0.11 packed scan's counts into
   one tree) must not surface fxaccum's KeyError: that equation is unknown, the loss runs
   in the global view, exact, and the path names the equation."""
-  from fxaccum import _analysis_rules
+  from fxaccum.analysis import rules
 
   def renamed(w, eqn, kinds):
     return eqn.params["a parameter this JAX does not write"]
 
-  monkeypatch.setitem(_analysis_rules.RULES, "reduce_sum", renamed)
+  monkeypatch.setitem(rules.RULES, "reduce_sum", renamed)
   loss = lambda w, x: jnp.mean(_per_row(w, x))  # noqa: E731 - per-example: device view
   x = np.random.default_rng(3).normal(size=(ROWS, DIM)).astype(np.float32)
   w = (0.5 * np.random.default_rng(4).normal(size=(DIM, OUT))).astype(np.float32)
@@ -330,7 +330,7 @@ def test_undecided_uses_records_the_loss_uses_not_jaxs():
   JAX's methods are restored afterwards."""
   from jax._src.export import shape_poly
 
-  from fxaccum import _symbolic
+  from fxaccum.analysis import symbolic
 
   (rows,) = jax.export.symbolic_shape("rows")
   x = jax.ShapeDtypeStruct((rows, 4), jnp.float32)
@@ -351,11 +351,11 @@ def test_undecided_uses_records_the_loss_uses_not_jaxs():
       pass
     return jnp.sum(x) * (2.0 if n % 2 else 1.0) * {4: 2.0}.get(n, 1.0) * (f"{n}" == "4")
 
-  with _symbolic.undecided_uses() as internal:
+  with symbolic.undecided_uses() as internal:
     jax.make_jaxpr(jax.grad(internal_only))(x)
-  with _symbolic.undecided_uses() as compared:
+  with symbolic.undecided_uses() as compared:
     jax.make_jaxpr(compares)(x)
-  with _symbolic.undecided_uses() as asked:
+  with symbolic.undecided_uses() as asked:
     jax.make_jaxpr(asks)(x)
   assert internal == []
   assert len(compared) == 2 and all("test_analysis.py" in f for f in compared), compared

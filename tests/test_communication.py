@@ -20,7 +20,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import fxaccum
-from fxaccum import _reduce, diagnostics
+from fxaccum import diagnostics, reductions
 
 MOVES = ("all-gather", "collective-permute", "all-to-all")
 
@@ -174,14 +174,14 @@ def test_one_micro_batch_compiles_jax_value_and_grads_program(layout):
 
 
 @pytest.mark.parametrize("fsdp", ["zero2", "zero1"])
-@pytest.mark.parametrize("bucket_bytes,buckets", [(_reduce.BUCKET_BYTES, 1), (None, 1), (0, 3),
+@pytest.mark.parametrize("bucket_bytes,buckets", [(reductions.BUCKET_BYTES, 1), (None, 1), (0, 3),
                                                   (600, 2)])
 def test_fsdp_gradients_reduce_once_per_bucket(fsdp, bucket_bytes, buckets, monkeypatch):
   """The FSDP gradient's reduce-scatters (per micro-batch, or once per step) are one per
   bucket, not one per leaf: XLA:CPU combines none, and each is a rendezvous. Exact at every
   bucket size (fxaccum's own, 2 MiB, and others set in its module). (Full f32 gradients:
   w1 512 B, b1 64 B, w2 64 B.)"""
-  monkeypatch.setattr(_reduce, "BUCKET_BYTES", bucket_bytes)
+  monkeypatch.setattr(reductions, "BUCKET_BYTES", bucket_bytes)
   mesh = mesh_of((8,), ("data",), AxisType.Explicit)
   specs = {"w1": P("data", None), "b1": P("data"), "w2": P("data", None)}
   k = 4

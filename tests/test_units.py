@@ -9,9 +9,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fxaccum import _split as split
-from fxaccum import _sync as sync
-from fxaccum import diagnostics
+from fxaccum import diagnostics, meshes, reductions, split
 
 # A hand-written module on a (data 4, model 2) mesh: device d sits at (d // 2, d % 2).
 HLO = """\
@@ -128,7 +126,7 @@ def test_plan_reads_data_axes_and_fsdp_dims_from_concrete_shardings():
                        axis_types=(AxisType.Explicit,) * 3)
   batch = _placed(mesh, P(("replica", "fsdp")))
   replicated, fsdp, tp = (_placed(mesh, s) for s in (P(), P("fsdp"), P(None, "model")))
-  layout = sync.plan([replicated, fsdp, tp], [batch], [], None)
+  layout = meshes.plan([replicated, fsdp, tp], [batch], [], None)
   assert layout.data_axes == ("replica", "fsdp")
   assert layout.param_dims == ((), ((0, ("fsdp",)),), ())
   assert layout.data_devices == 4
@@ -140,7 +138,7 @@ def test_plan_takes_conventional_names_where_auto_shardings_are_hidden():
   seen = {}
 
   def probe(w, x):
-    seen["layout"] = sync.plan([w], [x], [], None)
+    seen["layout"] = meshes.plan([w], [x], [], None)
     return x
 
   with jax.set_mesh(mesh):
@@ -152,17 +150,16 @@ def test_plan_refuses_unknown_axes_and_mixed_dimensions():
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
   batch = _placed(mesh, P("data"))
   with pytest.raises(ValueError, match="which the mesh does not have"):
-    sync.plan([], [batch], [], ("dp",))
+    meshes.plan([], [batch], [], ("dp",))
   mixed = _placed(mesh, P(("data", "model")))
-  layout = sync.plan([mixed], [batch], [], None)
+  layout = meshes.plan([mixed], [batch], [], None)
   assert "mixing data axes" in layout.device_blocker
 
 
 @pytest.mark.parametrize("bucket_bytes", [None, 0, 700])
 def test_bucketed_reduction_equals_the_per_leaf_one(bucket_bytes):
-  """fxaccum._reduce packs leaves sharded on different dimensions (and replicated ones)
-  into buckets; element for element it is sync.reduce leaf by leaf."""
-  from fxaccum import _reduce
+  """fxaccum.reductions packs leaves sharded on different dimensions (and replicated ones)
+  into buckets; element for element it is reductions.reduce leaf by leaf."""
 
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
   rng = np.random.default_rng(0)
@@ -180,8 +177,8 @@ def test_bucketed_reduction_equals_the_per_leaf_one(bucket_bytes):
 
   with jax.set_mesh(mesh):
     local = [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in local]
-    want = run(lambda leaves: [sync.reduce(x, ("data",), dims)
+    want = run(lambda leaves: [reductions.reduce(x, ("data",), dims)
                                for x, (dims, _) in zip(leaves, plans, strict=True)])
-    got = run(lambda leaves: _reduce.reduce_leaves(leaves, plans, bucket_bytes))
+    got = run(lambda leaves: reductions.reduce_leaves(leaves, plans, bucket_bytes))
   for a, b in zip(got, want, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

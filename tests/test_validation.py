@@ -383,8 +383,8 @@ def test_the_public_signature_has_at_most_ten_options(entry, most):
   as the type stubs (the overloads) show them."""
   import typing
 
-  from fxaccum import _instep
-  overloads = typing.get_overloads(getattr(_instep, entry))
+  from fxaccum.instep import api
+  overloads = typing.get_overloads(getattr(api, entry))
   assert len(overloads) == 4
   for overload in overloads:
     parameters = inspect.signature(overload).parameters

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from fxaccum import _split as split
+from fxaccum import split
 from fxaccum.diagnostics import _memory_of
 
 __all__ = ["BUDGET_MARGIN", "Plan", "PlanRow", "plan_micro_batches"]

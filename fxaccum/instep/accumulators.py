@@ -20,20 +20,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fxaccum import _sync as sync
-from fxaccum._statistics import Statistics
-from fxaccum._weighted import (
-    Concat,
-    Max,
-    Min,
-    State,
-    Sum,
-    Weighted,
-    highest,
-    lowest,
-    safe_divide,
-    weight_dtype,
+from fxaccum import meshes, reductions
+from fxaccum.markers import (
+  Concat,
+  Max,
+  Min,
+  State,
+  Sum,
+  Weighted,
+  highest,
+  lowest,
+  safe_divide,
+  weight_dtype,
 )
+from fxaccum.statistics import Statistics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +50,10 @@ def summed(aval: Any, axes: tuple[str, ...], dtype: Any = None) -> Accumulator:
   """The sum over micro-batches in ``dtype`` (default: the value's), then over ``axes``."""
 
   def init():
-    return sync.vary(jnp.zeros(aval.shape, dtype or aval.dtype), axes)
+    return meshes.vary(jnp.zeros(aval.shape, dtype or aval.dtype), axes)
 
   return Accumulator(init, lambda carry, value, index, weight: carry + value.astype(carry.dtype),
-                     lambda carry, weight: sync.reduce(carry, axes))
+                     lambda carry, weight: reductions.reduce(carry, axes))
 
 
 def weighted_mean(aval: Any, axes: tuple[str, ...]) -> Accumulator:
@@ -87,12 +87,12 @@ def ratio(marker: Weighted, axes: Weighted) -> Accumulator:
 def concatenated(aval: Any, micro_batches: int) -> Accumulator:
   """``Concat`` aux: each micro-batch's rows, put back in the batch's order (the split
   gives micro-batch ``i`` rows ``i::k``) and typed like the batch."""
-  axes = tuple(sorted(sync.varying_axes(aval)))
+  axes = tuple(sorted(meshes.varying_axes(aval)))
   spec = getattr(getattr(aval, "sharding", None), "spec", None)
 
   def init():
     sharding = {} if spec is None or not any(spec) else {"out_sharding": jax.P(None, *spec)}
-    return sync.vary(jnp.zeros((micro_batches, *aval.shape), aval.dtype, **sharding), axes)
+    return meshes.vary(jnp.zeros((micro_batches, *aval.shape), aval.dtype, **sharding), axes)
 
   def finalize(carry, weight):  # (k, rows / k, ...) -> rows, row j * k + i from (i, j)
     return jnp.swapaxes(carry, 0, 1).reshape(-1, *carry.shape[2:])
@@ -112,7 +112,7 @@ def extremum(marker: Max | Min, axes: Any) -> Accumulator:
   across = lax.pmax if largest else lax.pmin
 
   def init():
-    return kind(sync.vary(jnp.full(aval.shape, identity, aval.dtype), axes))
+    return kind(meshes.vary(jnp.full(aval.shape, identity, aval.dtype), axes))
 
   def finalize(carry, weight):
     return across(carry.value, axes) if axes else carry.value

@@ -35,7 +35,7 @@ params used only as a matmul operand against batch rows: those can be typed ``re
 on an Explicit mesh so their gradients stay unreduced across the micro-batch loop.
 
 This module holds the walker and the pairing of two traces; the kinds are in
-:mod:`fxaccum._analysis_kinds`, the rule of each primitive in :mod:`fxaccum._analysis_rules`.
+:mod:`fxaccum.analysis.kinds`, the rule of each primitive in :mod:`fxaccum.analysis.rules`.
 """
 
 from __future__ import annotations
@@ -50,28 +50,29 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import Mesh, PartitionSpec, Sharding
 
-from fxaccum._analysis_kinds import (
-    Const,
-    Exp,
-    Kind,
-    Rows,
-    Stat,
-    Top,
-    Unpaired,
-    join,
-    mixing,
+from fxaccum.analysis.kinds import (
+  Const,
+  Exp,
+  Kind,
+  Rows,
+  Stat,
+  Top,
+  Unpaired,
+  join,
+  mixing,
 )
-from fxaccum._analysis_rules import (
-    ELEMENTWISE,
-    RULES,
-    SUBCALLS,
-    TRANSPARENT,
-    elementwise,
-    shape_of,
-    slice_at,
-    whole_dim,
-    with_place,
+from fxaccum.analysis.rules import (
+  ELEMENTWISE,
+  RULES,
+  SUBCALLS,
+  TRANSPARENT,
+  elementwise,
+  shape_of,
+  slice_at,
+  whole_dim,
+  with_place,
 )
+from fxaccum.jaxprs import subjaxprs
 
 __all__ = ["Const", "Rows", "Stat", "Top", "Analysis", "analyze", "depends_on", "mixing"]
 
@@ -157,7 +158,7 @@ def _calls(eqn: Any, names: frozenset[str]) -> bool:
   """Whether ``eqn`` is, or holds in a sub-jaxpr, a primitive named in ``names``."""
   return eqn.primitive.name in names or any(
       _calls(inner, names) for value in eqn.params.values()
-      for sub in _subjaxprs(value) for inner in sub.eqns)
+      for sub in subjaxprs(value) for inner in sub.eqns)
 
 
 # ---------------------------------------------------------------------------------------
@@ -252,7 +253,7 @@ class _Walker:
     changed = []
     for key in sorted(set(ea.params) | set(eb.params)):
       va, vb = ea.params.get(key), eb.params.get(key)
-      subs_a, subs_b = _subjaxprs(va), _subjaxprs(vb)
+      subs_a, subs_b = subjaxprs(va), subjaxprs(vb)
       if subs_a or subs_b:
         if len(subs_a) != len(subs_b):
           raise Unpaired(with_place(ea, f": {ea.primitive.name}"))
@@ -304,7 +305,7 @@ class _Walker:
     for eqn in jaxpr.eqns:
       changed = []
       for key, value in eqn.params.items():
-        subs = _subjaxprs(value)
+        subs = subjaxprs(value)
         for sub in subs:
           self.mark_symbolic(sub)
         if not subs and _holds_symbol(value):
@@ -529,17 +530,6 @@ def _corresponds(mine: Sequence[Any], theirs: Sequence[Any], env: dict[Any, Any]
     elif env.get(a) is not b:
       return False
   return True
-
-
-def _subjaxprs(value: Any) -> list[Any]:
-  """The (open) jaxprs held by an equation parameter."""
-  if isinstance(value, jcore.ClosedJaxpr):
-    return [value.jaxpr]
-  if isinstance(value, jcore.Jaxpr):
-    return [value]
-  if isinstance(value, (tuple, list)):
-    return [j for v in value for j in _subjaxprs(v)]
-  return []
 
 
 def _is_constant(size: Any) -> bool:

@@ -15,9 +15,9 @@ from flax import nnx
 from flax.training import dynamic_scale as dynamic_scale_lib
 from flax.training import train_state
 
-from fxaccum import _sync as sync
-from fxaccum import _transform as transform
-from fxaccum._dynamic_scale import updated
+from fxaccum import reductions
+from fxaccum.crossstep import accumulation
+from fxaccum.integrations.dynamic_scale import updated
 
 __all__ = ["TrainState", "Optimizer"]
 
@@ -63,7 +63,7 @@ class TrainState(train_state.TrainState):
     scale = getattr(self, "dynamic_scale", None)
     if "dynamic_scale" in kwargs or not isinstance(scale, dynamic_scale_lib.DynamicScale):
       scale = None
-    params, opt_state, boundary, finite = transform.gate(
+    params, opt_state, boundary, finite = accumulation.gate(
         self.tx, grads, self.opt_state, self.params, weight=weight,
         check_finite=scale is not None)
     if scale is not None:  # once per window, on the window's gradient
@@ -75,14 +75,14 @@ class TrainState(train_state.TrainState):
   @property
   def micro_step(self) -> jax.Array:
     """Calls accumulated in the current window (0 right after an optimizer step)."""
-    return transform.find_state(self.opt_state).micro_step
+    return accumulation.find_state(self.opt_state).micro_step
 
   @property
   def calls(self) -> jax.Array:
     """Calls of :meth:`apply_gradients` so far: a micro-step counter that never repeats,
     e.g. ``jax.random.fold_in(key, state.calls)`` for this call's dropout (``step``
     repeats within a window)."""
-    return transform.find_state(self.opt_state).calls
+    return accumulation.find_state(self.opt_state).calls
 
 
 class Optimizer(nnx.Optimizer):
@@ -123,11 +123,11 @@ class Optimizer(nnx.Optimizer):
       return nnx.as_pure(nnx.state(tree, self.wrt, graph=self.graph))
 
     params = pure(model)
-    if not isinstance(grads, sync.Unreduced):
+    if not isinstance(grads, reductions.Unreduced):
       grads = pure(grads)
     elif _holds_variables(grads.total):  # from value_and_unreduced_grad of a module
       grads = dataclasses.replace(grads, total=pure(grads.total))
-    new_params, new_opt_state, boundary, _ = transform.gate(
+    new_params, new_opt_state, boundary, _ = accumulation.gate(
         self.tx, grads, nnx.as_pure(self.opt_state), params, weight=weight,
         **nnx.as_pure(kwargs))
     nnx.update(model, new_params)
@@ -138,9 +138,9 @@ class Optimizer(nnx.Optimizer):
   @property
   def micro_step(self) -> jax.Array:
     """Calls accumulated in the current window (0 right after an optimizer step)."""
-    return transform.find_state(nnx.as_pure(self.opt_state)).micro_step
+    return accumulation.find_state(nnx.as_pure(self.opt_state)).micro_step
 
   @property
   def calls(self) -> jax.Array:
     """Calls of :meth:`update` so far: a micro-step counter that never repeats."""
-    return transform.find_state(nnx.as_pure(self.opt_state)).calls
+    return accumulation.find_state(nnx.as_pure(self.opt_state)).calls

@@ -1,4 +1,4 @@
-"""The data-axis reduction of local gradient sums, in buckets: one collective per bucket.
+"""Data-axis reductions of local gradient sums: per leaf, in buckets, and deferred.
 
 Inside a region manual over the data axes, each gradient leaf is reduced over those axes:
 reduce-scattered over the axes its param is sharded over (FSDP), all-reduced over the rest.
@@ -13,6 +13,7 @@ per-leaf reduction's.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -21,9 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fxaccum import _sync as sync
+from fxaccum.meshes import DataDims
 
-__all__ = ["BUCKET_BYTES", "Plan", "reduce_leaves"]
+__all__ = ["BUCKET_BYTES", "Plan", "Unreduced", "gather", "reduce", "reduce_leaves"]
 
 #: Default bucket size, measured on 8 simulated CPU devices (docs/performance.md): 2 MiB
 #: buckets beat one collective per leaf (a rendezvous each), larger buckets (more full-size
@@ -32,20 +33,20 @@ BUCKET_BYTES = 2 << 20
 
 # How one leaf is reduced: (its dimensions sharded over data axes, to reduce-scatter over
 # those axes; the other axes to sum it over).
-Plan = tuple[sync.DataDims, tuple[str, ...]]
+Plan = tuple[DataDims, tuple[str, ...]]
 
 
 def reduce_leaves(leaves: Sequence[jax.Array], plans: Sequence[Plan],
                   bucket_bytes: int | None = None) -> list[jax.Array]:
   """Each leaf reduced as its plan says — reduce-scattered over the axes of its sharded
-  dimensions, then summed over the plan's other axes, as :func:`fxaccum._sync.reduce`
+  dimensions, then summed over the plan's other axes, as :func:`reduce`
   does — with one collective per bucket of at most ``bucket_bytes`` (None: one bucket per
   kind of reduction)."""
   out: list[Any] = list(leaves)
   groups: dict[Any, list[int]] = {}
   for i, (leaf, (leaf_dims, rest)) in enumerate(zip(leaves, plans, strict=True)):
     if len(leaf_dims) > 1:  # sharded on several dimensions: on its own
-      out[i] = sync.reduce(leaf, rest + tuple(a for _, axes in leaf_dims for a in axes),
+      out[i] = reduce(leaf, rest + tuple(a for _, axes in leaf_dims for a in axes),
                            leaf_dims)
       continue
     scatter = leaf_dims[0][1] if leaf_dims else ()
@@ -98,3 +99,58 @@ def _scattered(bucket: list[int], leaves: Sequence[jax.Array], plans: Sequence[P
     out.append(jnp.moveaxis(local, 0, dim))
     offset += width
   return out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Unreduced:
+  """Gradients not yet reduced over the data-parallel devices.
+
+  Returned by ``fxaccum.value_and_unreduced_grad`` and consumed by a gate whose
+  chain has ``fxaccum.accumulate(k, data_axes=...)``, which adds them up per device and
+  reduces once per optimizer step (deferred sync).
+
+  Attributes:
+    total: the params' tree; each leaf has a leading axis with one entry per data-parallel
+      device (sharded over the data axes): that device's sum of ``d total / d params``
+      over its micro-batches, not normalized.
+    weight: float32 ``(devices,)``, each device's summed weight.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, fxaccum
+    >>> loss = lambda w, x: fxaccum.Weighted(jnp.sum(x * w), jnp.sum(x != 0))
+    >>> n = jax.device_count()
+    >>> with jax.set_mesh(jax.make_mesh((n,), ("data",))):
+    ...   x = jax.device_put(jnp.ones((2 * n, 1)), jax.P("data"))
+    ...   _, g = jax.jit(fxaccum.value_and_unreduced_grad(loss, micro_batches=2))(
+    ...       jnp.ones(1), x)
+    >>> g.total.shape == (n, 1), g.total.sharding.spec[0]   # one partial sum per device
+    (True, 'data')
+    >>> sum(g.weight.tolist()) == 2 * n   # the devices' token counts add up to the batch's
+    True
+  """
+
+  total: Any
+  weight: jax.Array
+
+
+def gather(x: jax.Array, dims: DataDims) -> jax.Array:
+  """All-gathers a data-sharded leaf to its full value (identity for ``dims=()``).
+
+  Its transpose is a reduce-scatter, so gradients with respect to the shard come back
+  reduced and sharded.
+  """
+  for dim, axes in dims:
+    x = lax.all_gather(x, axes, axis=dim, tiled=True)
+  return x
+
+
+def reduce(x: jax.Array, data_axes: tuple[str, ...], dims: DataDims = ()) -> jax.Array:
+  """The data-axis reduction of a local partial sum: reduce-scatter over ``dims``'s axes,
+  then all-reduce over the remaining data axes."""
+  done: set[str] = set()
+  for dim, axes in dims:
+    x = lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+    done |= set(axes)
+  rest = tuple(a for a in data_axes if a not in done)
+  return lax.psum(x, rest) if rest else x

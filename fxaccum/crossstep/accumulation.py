@@ -28,9 +28,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fxaccum import _split as split
-from fxaccum import _sync as sync
-from fxaccum._weighted import all_finite, safe_divide
+from fxaccum import meshes, reductions, split
+from fxaccum.markers import all_finite, safe_divide
 
 __all__ = ["AccumulateState", "accumulate", "apply_gradients", "is_boundary"]
 
@@ -216,7 +215,7 @@ def accumulate(
 
 def _data_mesh(params: Any, axes: tuple[str, ...]) -> Any:
   """The mesh per-device accumulators live on."""
-  mesh = sync.find_mesh(jax.tree.leaves(params))
+  mesh = meshes.find_mesh(jax.tree.leaves(params))
   # Under jit without a mesh context only an abstract mesh is known, and JAX cannot place
   # new arrays on it.
   if mesh is None or not (isinstance(mesh, jax.sharding.Mesh)
@@ -244,8 +243,8 @@ def _per_device_zeros(tree: Any, mesh: Any, axes: tuple[str, ...], dtype: Any) -
                  for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if a in axes)
 
   def zeros(leaf):
-    spec = sync.known_spec(leaf)
-    if set(axes) & {a for entry in spec for a in sync.spec_axes(entry)}:
+    spec = meshes.known_spec(leaf)
+    if set(axes) & {a for entry in spec for a in meshes.spec_axes(entry)}:
       raise ValueError(
           f"accumulate(data_axes={axes}) keeps one full gradient sum per device, so it needs "
           f"params replicated over {axes}, but a param of shape {jnp.shape(leaf)} is sharded "
@@ -379,7 +378,7 @@ def gate(
       total = jax.tree.map(lambda a: jnp.sum(a, axis=0), total)
       weight = jnp.sum(weight)
       # Inside the caller's shard_map over data axes each device holds its own slot.
-      manual = tuple(a for a in config.data_axes if a in sync.manual_axes())
+      manual = tuple(a for a in config.data_axes if a in meshes.manual_axes())
       if manual:
         total, weight = lax.psum((total, weight), manual)
     mean = jax.tree.map(lambda t, d: t.astype(d), safe_divide(total, weight), grad_dtypes)
@@ -439,7 +438,7 @@ def probe_config(tx, opt_state, params, extra_args) -> _Config:
 def _add(config: _Config, state: AccumulateState, grads: Any, weight: Any,
          params: Any) -> AccumulateState:
   """The state after adding one call's gradient (no collective for deferred sync)."""
-  unreduced = isinstance(grads, sync.Unreduced)
+  unreduced = isinstance(grads, reductions.Unreduced)
   if bool(config.data_axes) != unreduced:
     if unreduced:
       raise TypeError(

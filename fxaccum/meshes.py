@@ -1,6 +1,6 @@
 """Which mesh axes are data axes, local accumulation, and the single reduction.
 
-In its per-device view (:mod:`fxaccum._view`), fxaccum accumulates gradients inside a
+In its per-device view (:mod:`fxaccum.instep.paths`), fxaccum accumulates gradients inside a
 ``jax.shard_map`` that is manual over the data axes only (every other mesh axis, e.g. a
 tensor- or sequence-parallel one, stays under the compiler's control). Inside, replicated
 params are cast to "varying" so that ``jax.grad`` yields the local partial gradient
@@ -40,10 +40,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
-    "CONVENTIONAL_DATA_AXES", "Layout", "Unreduced", "conform", "find_mesh", "gather",
-    "known_spec", "linen_rules_without_manual_axes", "plan", "reduce",
-    "shard_map_keeping_axes", "spec_axes", "spec_entry", "tracks_varying", "vary",
-    "varying_axes",
+    "CONVENTIONAL_DATA_AXES", "DataDims", "Layout", "conform", "find_mesh", "known_spec",
+    "linen_rules_without_manual_axes", "plan", "shard_map_keeping_axes", "spec_axes",
+    "spec_entry", "tracks_varying", "vary", "varying_axes",
 ]
 
 #: Auto mesh axes assumed to carry the batch when JAX cannot show its sharding.
@@ -95,39 +94,6 @@ class Layout:
     for dim, axes in dims.items():
       entries[dim] = spec_entry(axes)
     return P(*entries)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Unreduced:
-  """Gradients not yet reduced over the data-parallel devices.
-
-  Returned by ``fxaccum.value_and_unreduced_grad`` and consumed by a gate whose
-  chain has ``fxaccum.accumulate(k, data_axes=...)``, which adds them up per device and
-  reduces once per optimizer step (deferred sync).
-
-  Attributes:
-    total: the params' tree; each leaf has a leading axis with one entry per data-parallel
-      device (sharded over the data axes): that device's sum of ``d total / d params``
-      over its micro-batches, not normalized.
-    weight: float32 ``(devices,)``, each device's summed weight.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, fxaccum
-    >>> loss = lambda w, x: fxaccum.Weighted(jnp.sum(x * w), jnp.sum(x != 0))
-    >>> n = jax.device_count()
-    >>> with jax.set_mesh(jax.make_mesh((n,), ("data",))):
-    ...   x = jax.device_put(jnp.ones((2 * n, 1)), jax.P("data"))
-    ...   _, g = jax.jit(fxaccum.value_and_unreduced_grad(loss, micro_batches=2))(
-    ...       jnp.ones(1), x)
-    >>> g.total.shape == (n, 1), g.total.sharding.spec[0]   # one partial sum per device
-    (True, 'data')
-    >>> sum(g.weight.tolist()) == 2 * n   # the devices' token counts add up to the batch's
-    True
-  """
-
-  total: Any
-  weight: jax.Array
 
 
 def _named_sharding(leaf: Any) -> tuple[NamedSharding | None, bool]:
@@ -445,28 +411,6 @@ def vary(x: Any, axes: tuple[str, ...]) -> Any:
     return lax.pcast(leaf, missing, to="varying") if missing else leaf
 
   return jax.tree.map(cast, x)
-
-
-def gather(x: jax.Array, dims: DataDims) -> jax.Array:
-  """All-gathers a data-sharded leaf to its full value (identity for ``dims=()``).
-
-  Its transpose is a reduce-scatter, so gradients with respect to the shard come back
-  reduced and sharded.
-  """
-  for dim, axes in dims:
-    x = lax.all_gather(x, axes, axis=dim, tiled=True)
-  return x
-
-
-def reduce(x: jax.Array, data_axes: tuple[str, ...], dims: DataDims = ()) -> jax.Array:
-  """The data-axis reduction of a local partial sum: reduce-scatter over ``dims``'s axes,
-  then all-reduce over the remaining data axes."""
-  done: set[str] = set()
-  for dim, axes in dims:
-    x = lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
-    done |= set(axes)
-  rest = tuple(a for a in data_axes if a not in done)
-  return lax.psum(x, rest) if rest else x
 
 
 def _entries(x: Any) -> list[Any]:

@@ -1,5 +1,11 @@
-"""The gradient noise scale of a step, from the micro-batch gradients it already computes.
+"""A step's statistics, and the gradient noise scale from its micro-batch gradients.
 
+``fxaccum.value_and_grad`` returns what ``jax.value_and_grad`` returns, whatever it is
+asked for. What it measures about a step beyond the loss and the gradient (micro-batches
+skipped as non-finite, the gradient noise scale) comes back through one channel: a
+:class:`Statistics` the loss puts in its aux, which the step's statistics replace.
+
+The noise scale:
 McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", App. A.1) estimate
 the true gradient's squared norm |𝒢|² and the trace of the per-example gradient
 covariance tr Σ from the squared norms of two gradients over batches of different sizes:
@@ -10,14 +16,14 @@ micro-batches (each device's share of one, per device) and the big one is the st
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-__all__ = ["NoiseScale", "NoiseScaleEMA"]
+__all__ = ["NoiseScale", "NoiseScaleEMA", "Statistics", "unavailable_noise_scale"]
 
 
 def _grad_sq(small_sq, big_sq, small_batch, big_batch):
@@ -150,3 +156,47 @@ class NoiseScaleEMA:
     """``tr Σ / |𝒢|²`` of the smoothed estimates: the critical batch size estimate, in the
     units of the batch sizes (examples, or the weights, e.g. tokens)."""
     return self.trace_sigma / self.grad_sq
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Statistics:
+  """One step's statistics, in the aux where the loss put ``fxaccum.Statistics()``.
+
+  Put ``fxaccum.Statistics()`` anywhere in the aux (``has_aux=True``); each
+  micro-batch's loss returns it empty, and the result holds the step's statistics in its
+  place. The value, the gradients and the rest of the aux are as without it.
+
+  Attributes:
+    skipped: int32, micro-batches dropped as non-finite (``skip_nonfinite=True``; per
+      device in the per-device view, summed over the devices); 0 without it.
+    noise_scale: the step's :class:`fxaccum.NoiseScale`, from its micro-batch gradients
+      (docs/diagnostics.md, "Gradient noise scale"). Its estimates are NaN where the step
+      holds none: one micro-batch on one device, a loss returned as ``fxaccum.Sum`` (no
+      micro-batch mean), ``fsdp="zero3"`` (each micro-batch's gradient is reduced as the
+      backward pass makes it) and ``value_and_unreduced_grad`` (no reduced gradient).
+
+  Example:
+    >>> import jax.numpy as jnp, fxaccum
+    >>> def loss(w, x):
+    ...   return jnp.mean((x * w) ** 2), {"stats": fxaccum.Statistics()}
+    >>> x = jnp.array([[1.0], [jnp.nan], [3.0], [2.0]])
+    >>> (value, aux), g = fxaccum.value_and_grad(
+    ...     loss, has_aux=True, micro_batches=4, skip_nonfinite=True)(jnp.ones(1), x)
+    >>> int(aux["stats"].skipped), float(value)   # the NaN row dropped: mean of 1, 9, 4
+    (1, 4.666...)
+  """
+
+  skipped: Any = None
+  noise_scale: Any = None
+
+  @property
+  def requested(self) -> bool:
+    """Whether this is the loss's request (empty), not a step's statistics."""
+    return self.skipped is None and self.noise_scale is None
+
+
+def unavailable_noise_scale() -> NoiseScale:
+  """A :class:`fxaccum.NoiseScale` whose estimates are NaN (no estimate for this step)."""
+  nan = jnp.float32(jnp.nan)
+  return NoiseScale(nan, nan, nan, nan)

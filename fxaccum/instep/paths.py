@@ -8,7 +8,7 @@
   micro-batch on ``Auto`` meshes); on ``Explicit`` meshes params used only in matmuls
   against batch rows are typed ``reduced`` so their gradients are reduced once per step.
 
-``view="auto"`` (the default) takes the device view only when :mod:`fxaccum._analysis`
+``view="auto"`` (the default) takes the device view only when :mod:`fxaccum.analysis`
 proves it gives the global result, from the loss traced at two micro-batch sizes (a
 division by the number of examples and by a constant that happens to equal it look alike
 at one size). Every traced call records its :class:`Path`, named in the compiled program,
@@ -23,7 +23,7 @@ import re
 from collections.abc import Sequence
 from typing import Literal
 
-from fxaccum import _analysis
+from fxaccum import analysis as analysis_lib
 
 __all__ = ["Path", "View", "amend", "classify", "record", "recorded"]
 
@@ -97,21 +97,21 @@ Role = Literal["total", "weight", "aux", "aux_total", "aux_weight", "aux_sum", "
                "aux_max", "aux_min", "state", "state_update", "sown", "grad"]
 
 
-def _lam(kind: _analysis.Kind) -> float | None:
+def _lam(kind: analysis_lib.Kind) -> float | None:
   """``e`` such that per-device results add up to ``D ** e`` times the global one.
 
   A sum over examples times ``n ** p`` gives ``e = -p`` (a sum: 0, a mean: 1); a
   batch-independent ``c * n ** r`` is counted once per device: ``e = 1 - r``. None for a
   value that mixes examples or keeps the batch axis.
   """
-  if isinstance(kind, _analysis.Const):
+  if isinstance(kind, analysis_lib.Const):
     return None if kind.exp is None else 1 - kind.exp
-  if isinstance(kind, _analysis.Stat) and kind.mixed is None and kind.exp is not None:
+  if isinstance(kind, analysis_lib.Stat) and kind.mixed is None and kind.exp is not None:
     return -kind.exp
   return None
 
 
-def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role],
+def classify(outputs: Sequence[analysis_lib.Kind], roles: Sequence[Role],
              summed: bool = False) -> tuple[str | None, str]:
   """Whether per-device results combine into the global ones.
 
@@ -136,9 +136,9 @@ def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role],
     if role == "sown":
       return "the loss sows values into the module (Module.sow)", ""
     if role == "aux_concat":
-      if not (isinstance(kind, _analysis.Rows) and kind.dim == 0 and kind.mixed is None
+      if not (isinstance(kind, analysis_lib.Rows) and kind.dim == 0 and kind.mixed is None
               and kind.exp == 0 and kind.order == 0):
-        return _mixed_reason(kind, role) if not isinstance(kind, _analysis.Rows) or (
+        return _mixed_reason(kind, role) if not isinstance(kind, analysis_lib.Rows) or (
             kind.mixed) else "a Concat aux leaf is not per-example rows on axis 0", ""
       continue
     if role == "state":
@@ -162,7 +162,7 @@ def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role],
             "counted once per device)"), ""
   for kind, role, lam in zip(outputs, roles, lams, strict=True):
     if role == "grad" and lam != total_lam and not (
-        isinstance(kind, _analysis.Const) and kind.value == 0):
+        isinstance(kind, analysis_lib.Const) and kind.value == 0):
       return ("a gradient does not add up over the devices like the loss (e.g. a custom "
               "derivative rule that scales with the number of examples)"), ""
   pairs = [(i, i + 1) for i, role in enumerate(roles)
@@ -174,9 +174,9 @@ def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role],
               f"(e.g. a sum over examples divided by a constant count), so per-device "
               f"results would not add up to the global ratio"), ""
   weight = outputs[roles.index("weight")]
-  weight_constant = isinstance(weight, _analysis.Const) and weight.exp == 0
+  weight_constant = isinstance(weight, analysis_lib.Const) and weight.exp == 0
   for kind, role, lam in zip(outputs, roles, lams, strict=True):
-    if role == "aux" and not (isinstance(kind, _analysis.Const) and kind.exp == 0) and not (
+    if role == "aux" and not (isinstance(kind, analysis_lib.Const) and kind.exp == 0) and not (
         lam == 1 and weight_constant):
       return ("a plain aux leaf depends on the batch while the loss is weighted: per-device "
               "values averaged with the devices' weights differ from the global value; "
@@ -184,22 +184,22 @@ def classify(outputs: Sequence[_analysis.Kind], roles: Sequence[Role],
   return None, "sum" if lams[0] == 0 else "mean" if lams[0] == 1 else "ratio"
 
 
-def _extremum_over_examples(kind: _analysis.Kind, extreme: str) -> bool:
+def _extremum_over_examples(kind: analysis_lib.Kind, extreme: str) -> bool:
   """Whether a value combines over devices by its maximum (``extreme="max"``) or minimum:
   batch-independent, or that extremum over examples of values independent of their number."""
-  if isinstance(kind, _analysis.Const):
+  if isinstance(kind, analysis_lib.Const):
     return kind.exp == 0
-  return isinstance(kind, _analysis.Stat) and kind.extreme == extreme and kind.exp == 0
+  return isinstance(kind, analysis_lib.Stat) and kind.extreme == extreme and kind.exp == 0
 
 
-def _mixed_reason(kind: _analysis.Kind, role: Role) -> str:
+def _mixed_reason(kind: analysis_lib.Kind, role: Role) -> str:
   what = {"total": "the loss", "weight": "the loss's weight", "aux": "an aux leaf",
           "grad": "a gradient",
           "aux_total": "a Weighted aux leaf", "aux_weight": "a Weighted aux leaf's weight",
           "aux_sum": "a Sum aux leaf", "aux_concat": "a Concat aux leaf",
           "aux_max": "a Max aux leaf", "aux_min": "a Min aux leaf"}.get(role, role)
-  reason = _analysis.mixing(kind)
-  if isinstance(kind, _analysis.Rows) and reason is None:  # e.g. per-example outputs
+  reason = analysis_lib.mixing(kind)
+  if isinstance(kind, analysis_lib.Rows) and reason is None:  # e.g. per-example outputs
     return f"{what} keeps the batch axis, so it is no sum or mean over examples"
   if reason is None:
     return (f"{what} depends on the micro-batch size other than as a sum or mean over its "

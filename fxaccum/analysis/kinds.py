@@ -1,4 +1,4 @@
-"""The kinds :mod:`fxaccum._analysis` gives values, how they scale with the number ``D`` of
+"""The kinds :mod:`fxaccum.analysis` gives values, how they scale with the number ``D`` of
 data-parallel devices (``exp``), and how two kinds join (loop carries, cond branches)."""
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 from jax.extend.core import primitives
 
-from fxaccum import _sync as sync
-from fxaccum._jax_compat import scan_counts
+from fxaccum import meshes, reductions
+from fxaccum.jaxprs import scan_counts
 
 __all__ = ["Traced", "per_layer", "trace", "value_and_grad"]
 
@@ -35,7 +35,7 @@ class _Shard(NamedTuple):
   """A param not gathered yet: this device's shard and the dims it is sharded along."""
 
   shard: Any
-  dims: sync.DataDims
+  dims: meshes.DataDims
 
 
 # The checkpoint policy: values named SAVED are kept for the backward pass, the rest (the
@@ -46,7 +46,7 @@ _saveable = jax.checkpoint_policies.save_only_these_names(SAVED)
 def _gathered(value: Any) -> Any:
   if not isinstance(value, _Shard):
     return value
-  return sync.gather(value.shard, value.dims)
+  return reductions.gather(value.shard, value.dims)
 
 
 class Traced(NamedTuple):
@@ -54,15 +54,15 @@ class Traced(NamedTuple):
 
   closed: jcore.ClosedJaxpr
   out_shape: Any
-  dims: tuple[sync.DataDims, ...]  # per param leaf: its sharded dims (``()``: whole)
+  dims: tuple[meshes.DataDims, ...]  # per param leaf: its sharded dims (``()``: whole)
 
 
-def trace(fun: Callable[..., Any], shards: Sequence[Any], dims: Sequence[sync.DataDims],
+def trace(fun: Callable[..., Any], shards: Sequence[Any], dims: Sequence[meshes.DataDims],
           *args: Any) -> Traced:
   """``fun(whole params, *args)`` traced on the whole params whose shards are ``shards``."""
   # The whole params' types, with the manual axes they vary over. (Not eval_shape: JAX
   # 0.10.2 rejects its ShapeDtypeStructs as arguments inside a partly manual region.)
-  full = jax.make_jaxpr(lambda s: [sync.gather(x, d) for x, d in zip(s, dims, strict=True)])(
+  full = jax.make_jaxpr(lambda s: [reductions.gather(x, d) for x, d in zip(s, dims, strict=True)])(
       list(shards)).out_avals
   closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(list(full), *args)
   return Traced(closed, out_shape, tuple(dims))
@@ -86,7 +86,7 @@ def value_and_grad(traced: Traced, shards: Sequence[Any], *args: Any) -> Any:
   return jax.value_and_grad(checkpointed, has_aux=True)(list(shards))
 
 
-def per_layer(jaxpr: jcore.Jaxpr, dims: Sequence[sync.DataDims]) -> bool:
+def per_layer(jaxpr: jcore.Jaxpr, dims: Sequence[meshes.DataDims]) -> bool:
   """Whether :func:`value_and_grad` would gather some param one slice at a time: a ``scan``
   over layers takes it (stacked, sharded along another dimension than the layers') as
   ``xs``, as ``nn.scan`` and ``lax.scan`` over stacked params do (see :func:`_scan`).

@@ -10,7 +10,7 @@ optimizer state is the caller's):
   Whole params live, gradients sharded.
 * ``"zero3"``: gathered where the loss uses it (one layer at a time inside a scan over
   stacked layers) and again in the backward pass, the gradient reduce-scattered in every
-  micro-batch (:mod:`fxaccum._gather`). The least memory; twice the gathers per
+  micro-batch (:mod:`fxaccum.instep.gather`). The least memory; twice the gathers per
   micro-batch.
 
 ``fsdp="auto"`` takes zero3 where the loss scans over stacked layers and zero2 elsewhere
@@ -43,7 +43,7 @@ def forced(fsdp: Strategy) -> Choice:
 
 def choose(stacked: bool, blocker: str | None) -> Choice:
   """The strategy of ``fsdp="auto"`` for a loss that scans over stacked FSDP layers or not
-  (``stacked``: :func:`fxaccum._gather.per_layer`).
+  (``stacked``: :func:`fxaccum.instep.gather.per_layer`).
 
   zero3 where the loss scans over stacked FSDP layers: it gathers one layer at a time,
   where zero2 holds the whole params through the step (about twice the large batch's peak

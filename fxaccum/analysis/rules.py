@@ -1,4 +1,4 @@
-"""The rules of :mod:`fxaccum._analysis`: the kinds of an equation's results from its
+"""The rules of :mod:`fxaccum.analysis`: the kinds of an equation's results from its
 operands' kinds, one rule per primitive (``RULES``), the elementwise ones together, and
 sub-jaxprs (calls, loops, conditionals) walked by the same walker."""
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from fxaccum._analysis_kinds import (
+from fxaccum.analysis.kinds import (
     Const,
     Exp,
     Kind,
@@ -26,10 +26,10 @@ from fxaccum._analysis_kinds import (
     common_exp,
     join,
 )
-from fxaccum._jax_compat import scan_counts
+from fxaccum.jaxprs import scan_counts
 
 if TYPE_CHECKING:
-  from fxaccum._analysis import _Walker
+  from fxaccum.analysis.interpreter import _Walker
 
 __all__ = ["ELEMENTWISE", "RULES", "SUBCALLS", "TRANSPARENT", "elementwise", "shape_of",
            "slice_at", "whole_dim", "with_place"]

@@ -27,9 +27,7 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from fxaccum import _reduce as reduce_lib
-from fxaccum import _split as split
-from fxaccum import _sync as sync
+from fxaccum import meshes, reductions, split
 
 __all__ = ["SCHEDULES", "Schedule", "bubble_fraction", "pipeline"]
 
@@ -152,14 +150,14 @@ def pipeline(
   param_spec = P(*(None,) * (len(leading) - 1), stage_axis)
   x_spec = P((*axes, stage_axis)) if streamed else P(axes or None)
   # On Explicit mesh axes shard_map wants the arguments typed like its in_specs.
-  stage_params = jax.tree.map(lambda p: sync.conform(p, param_spec, manual), stage_params)
+  stage_params = jax.tree.map(lambda p: meshes.conform(p, param_spec, manual), stage_params)
   given = x
-  x = jax.tree.map(lambda a: sync.conform(a, x_spec, manual), x)
+  x = jax.tree.map(lambda a: meshes.conform(a, x_spec, manual), x)
   x_specs = jax.tree.map(lambda _: x_spec, x)
   param_specs = jax.tree.map(lambda _: param_spec, stage_params)
   # Stage params sharded over a free Explicit axis (tensor-parallel stages) keep that
   # sharding across the region's boundary (no gather of the params or their gradients).
-  region = functools.partial(sync.shard_map_keeping_axes, mesh=mesh, axis_names=set(manual),
+  region = functools.partial(meshes.shard_map_keeping_axes, mesh=mesh, axis_names=set(manual),
                              in_specs=(param_specs, x_specs))
   forward = region(body, out_specs=x_specs)
   kept_specs, keeping = x_specs, None  # what the backward pass gets besides the params
@@ -171,7 +169,7 @@ def pipeline(
     backward = _gpipe_backward(stage_fn, k, stages, stage_axis, axes)
   elif schedule == "1f1b":
     backward = _one_f_one_b(stage_fn, k, stages, stage_axis, axes, streamed)
-  elif sync.kept_axes(mesh, set(manual)):
+  elif meshes.kept_axes(mesh, set(manual)):
     # JAX 0.10.2 cannot differentiate through such a region (its scalar residuals are
     # "closed over" Explicit-typed values): the vjp runs inside a region of its own,
     # recomputing the forward scan (docs/pipeline.md, "Meshes and axis types").
@@ -190,7 +188,7 @@ def pipeline(
 def _over_stages(x: Any, stage_axis: str) -> bool:
   """Whether every leaf of ``x`` is known (typed, or concrete) to have its batch sharded
   over ``stage_axis``."""
-  return all(stage_axis in sync.spec_axes(sync.known_spec(leaf)[0])
+  return all(stage_axis in meshes.spec_axes(meshes.known_spec(leaf)[0])
              for leaf in jax.tree.leaves(x))
 
 
@@ -307,9 +305,9 @@ def _scheduled(stage_fn: Callable, remat: bool, k: int, stages: int, repeats: in
     # Both casts sit before the loop, so their transposes (the data-axis sum of the param
     # gradients, the stage-axis sum of x's gradient) run once, after it.
     # This device's stages, (R, ...) per leaf: leaf[r] is virtual stage r * S + s.
-    params = sync.vary(jax.tree.map(lambda leaf: leaf[:, 0] if nested else leaf[None, 0],
+    params = meshes.vary(jax.tree.map(lambda leaf: leaf[:, 0] if nested else leaf[None, 0],
                                     params), axes)
-    x = sync.vary(x, (stage_axis,))
+    x = meshes.vary(x, (stage_axis,))
     stage = lax.axis_index(stage_axis)
     inputs = jax.tree.map(_to_micro_batches(k), x)
     outputs = jax.tree.map(jnp.zeros_like, inputs)
@@ -375,7 +373,7 @@ def _streamed(stage_fn: Callable, remat: bool, k: int, stages: int, stage_axis: 
   run = jax.checkpoint(stage_fn) if remat else stage_fn
 
   def body(params, x):
-    params = sync.vary(jax.tree.map(lambda leaf: leaf[0], params), axes)
+    params = meshes.vary(jax.tree.map(lambda leaf: leaf[0], params), axes)
     stage = lax.axis_index(stage_axis)
     # Real activations in every slot, never zeros (see _scheduled).
     first = shares.first(x)
@@ -425,7 +423,7 @@ def _gpipe_backward(stage_fn: Callable, k: int, stages: int, stage_axis: str,
   left = [(s + 1, s) for s in range(last)]
 
   def body(params, stash, dy):
-    params = sync.vary(jax.tree.map(lambda leaf: leaf[0], params), axes)
+    params = meshes.vary(jax.tree.map(lambda leaf: leaf[0], params), axes)
     stage = lax.axis_index(stage_axis)
 
     def iteration(carry, u):
@@ -457,7 +455,7 @@ def _reduced_over(grads: Any, axes: tuple[str, ...]) -> Any:
   """Local stage gradients reduced over the data axes, as in-step mode's per-device view
   reduces (one collective per bucket), with the stage dimension back."""
   leaves, tree = jax.tree.flatten(grads)
-  leaves = reduce_lib.reduce_leaves(leaves, [((), axes)] * len(leaves), reduce_lib.BUCKET_BYTES)
+  leaves = reductions.reduce_leaves(leaves, [((), axes)] * len(leaves), reductions.BUCKET_BYTES)
   return jax.tree.unflatten(tree, [leaf[None] for leaf in leaves])
 
 
@@ -487,8 +485,8 @@ def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
 
   def body(params, x, dy):
     # Varying over the data axes: each vjp returns this device's partial gradient.
-    params = sync.vary(jax.tree.map(lambda leaf: leaf[0], params), axes)
-    x, dy = sync.vary((x, dy), (stage_axis,))
+    params = meshes.vary(jax.tree.map(lambda leaf: leaf[0], params), axes)
+    x, dy = meshes.vary((x, dy), (stage_axis,))
     stage = lax.axis_index(stage_axis)
     first = shares.first(x) if streamed else jax.tree.map(lambda a: rows.get(a, 0), x)
     stash = jax.tree.map(lambda a: jnp.broadcast_to(a, (slots, *a.shape)), first)
@@ -623,20 +621,20 @@ def _layout(stage_params: Any, x: Any, stage_axis: str,
   leaves = jax.tree.leaves(x)
   if not leaves:
     raise ValueError("fxaccum.pipeline got no activations: x holds no arrays.")
-  mesh = sync.find_mesh([*leaves, *jax.tree.leaves(stage_params)])
+  mesh = meshes.find_mesh([*leaves, *jax.tree.leaves(stage_params)])
   if mesh is None or stage_axis not in mesh.axis_names:
     found = "no mesh" if mesh is None else f"a mesh with axes {tuple(mesh.axis_names)}"
     raise ValueError(
         f"fxaccum.pipeline found {found}; it needs one with the stage axis "
         f"{stage_axis!r}: call it under `with jax.set_mesh(mesh):` for a mesh such as "
         f"jax.make_mesh((2, 4), ('data', {stage_axis!r})), or pass stage_axis=.")
-  manual = sync.manual_axes()
+  manual = meshes.manual_axes()
   if stage_axis in manual:
     raise ValueError(
         f"fxaccum.pipeline is called inside a shard_map that is already manual over "
         f"{stage_axis!r}; call it outside, where the stage axis is not manual.")
   if data_axes is None:
-    axes = tuple(a for a in sync.infer_data_axes(mesh, leaves, manual) if a != stage_axis)
+    axes = tuple(a for a in meshes.infer_data_axes(mesh, leaves, manual) if a != stage_axis)
   else:
     axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
     bad = [a for a in axes if a not in mesh.axis_names or a == stage_axis or a in manual]

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from flax.training import dynamic_scale as dynamic_scale_lib
 from jax import lax
 
-from fxaccum import _instep
-from fxaccum._statistics import Statistics
-from fxaccum._sync import Unreduced
-from fxaccum._weighted import Sum, Weighted, all_finite
+from fxaccum import instep
+from fxaccum.markers import Sum, Weighted, all_finite
+from fxaccum.reductions import Unreduced
+from fxaccum.statistics import Statistics
 
 __all__ = ["DynamicScale", "updated"]
 
@@ -66,7 +66,7 @@ class DynamicScale(dynamic_scale_lib.DynamicScale):
     """
     if "micro_batches" not in options:
       return super().value_and_grad(fun, argnums, has_aux, axis_name)
-    return self._accumulated(_instep.value_and_grad, fun, argnums, has_aux, axis_name,
+    return self._accumulated(instep.value_and_grad, fun, argnums, has_aux, axis_name,
                              options)
 
   def value_and_unreduced_grad(
@@ -79,7 +79,7 @@ class DynamicScale(dynamic_scale_lib.DynamicScale):
     """:meth:`value_and_grad` over :func:`fxaccum.value_and_unreduced_grad`: the gradient
     comes back as :class:`fxaccum.Unreduced` per-device sums, unscaled (their weights as
     they are), for a cross-step gate with ``accumulate(k, data_axes=...)``."""
-    return self._accumulated(_instep.value_and_unreduced_grad, fun, argnums, has_aux, None,
+    return self._accumulated(instep.value_and_unreduced_grad, fun, argnums, has_aux, None,
                              options)
 
   def _accumulated(self, entry: Callable[..., Any], fun: Callable[..., Any], argnums: Any,

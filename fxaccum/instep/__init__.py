@@ -1,0 +1,16 @@
+"""In-step accumulation: ``value_and_grad`` / ``grad`` / ``value_and_unreduced_grad``.
+
+Owns the entry points and their options (:mod:`.api`), the per-device and global views
+(:mod:`.views`), the micro-batch loop (:mod:`.loop`), what one traced call holds
+(:mod:`.call`), how each output is summed (:mod:`.accumulators`), the FSDP strategies
+(:mod:`.fsdp`, :mod:`.gather`) and the record of the view each call took (:mod:`.paths`).
+
+May import: the shared modules (``fxaccum.markers``, ``statistics``, ``split``, ``meshes``,
+``reductions``, ``jaxprs``), ``fxaccum.analysis``, and ``fxaccum.integrations.nnx_modules``
+only where flax NNX is loaded. Imported by ``fxaccum``, the integrations and
+``fxaccum.diagnostics`` (the paths).
+"""
+
+from fxaccum.instep.api import Options, grad, value_and_grad, value_and_unreduced_grad
+
+__all__ = ["Options", "grad", "value_and_grad", "value_and_unreduced_grad"]

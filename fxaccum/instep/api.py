@@ -1,0 +1,573 @@
+"""The in-step entry points: ``value_and_grad`` / ``grad`` / ``value_and_unreduced_grad``.
+
+Their options, checked into a :class:`~fxaccum.instep.call.Config`, and one call of the
+function they return: the arguments split into what is differentiated, split, folded and
+threaded, the layout found, a program compiled per layout for eager calls, and the
+result assembled by :func:`fxaccum.instep.views.run_call`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypedDict, Unpack, overload
+
+import jax
+import jax.numpy as jnp
+
+from fxaccum import meshes, reductions, split
+from fxaccum.instep import fsdp as fsdp_lib
+from fxaccum.instep import paths
+from fxaccum.instep.call import Config, is_array
+from fxaccum.instep.views import run_call
+from fxaccum.split import MicroBatchSize
+
+if TYPE_CHECKING:
+  pass
+
+__all__ = ["Options", "grad", "value_and_grad", "value_and_unreduced_grad"]
+
+MicroBatches = int | MicroBatchSize
+Argnums = int | Sequence[int]
+# The returned function takes fun's own parameters.
+_P = ParamSpec("_P")
+
+
+class Options(TypedDict, total=False):
+  """The keyword options of every in-step entry point besides ``micro_batches`` (and
+  ``fsdp``, which :func:`value_and_unreduced_grad` does not take). Each is independent of
+  the others; see :func:`value_and_grad`."""
+
+  batch_argnums: Argnums
+  rng_argnums: Argnums
+  state_argnums: Argnums
+  data_axes: str | Sequence[str] | None
+  param_shardings: Any
+  accum_dtype: Any
+  view: paths.View
+  skip_nonfinite: bool
+
+
+class _ReducedOptions(Options, total=False):
+  fsdp: fsdp_lib.Fsdp
+
+
+# Options that are gone, and what says the same now.
+_REMOVED = {
+    "micro_batch_size": "micro_batches=fxaccum.MicroBatchSize(m)",
+    "fsdp_reduce": "fsdp='zero1' (fsdp_reduce='per_step'), or leave fsdp='auto' to choose",
+    "fsdp_gather": "fsdp='zero3' (fsdp_gather='per_micro_batch'), or leave fsdp='auto' to "
+                   "choose",
+    "bucket_bytes": "nothing: gradient reductions are bucketed at 2 MiB, the size measured "
+                    "best (docs/performance.md)",
+    "reduce": "fxaccum.value_and_unreduced_grad(...) for reduce=False (its gradients are "
+              "fxaccum.Unreduced)",
+    "noise_scale": "has_aux=True with fxaccum.Statistics() in the loss's aux: the step's "
+                   "statistics replace it, the noise scale in .noise_scale",
+    "loss_reduction": "a loss returned as fxaccum.Sum(loss) for loss_reduction='sum' (the "
+                      "value and gradients are then its sums over the micro-batches)",
+}
+
+
+def _public(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` whose signature (``inspect.signature``, ``help``) leaves out ``**removed``, the
+  catch-all that names a removed option's new spelling."""
+  signature = inspect.signature(fn)
+  fn.__signature__ = signature.replace(  # type: ignore[attr-defined]
+      parameters=[p for p in signature.parameters.values() if p.name != "removed"])
+  return fn
+
+
+@overload
+def value_and_grad(fun: Callable[_P, Any], argnums: Argnums = ...,
+                   has_aux: Literal[False] = ..., *, micro_batches: MicroBatches,
+                   **options: Unpack[_ReducedOptions]) -> Callable[_P, tuple[jax.Array, Any]]:
+  ...
+@overload
+def value_and_grad(fun: Callable[_P, Any], argnums: Argnums = ..., *, has_aux: Literal[True],
+                   micro_batches: MicroBatches, **options: Unpack[_ReducedOptions]
+                   ) -> Callable[_P, tuple[tuple[jax.Array, Any], Any]]: ...
+@overload
+def value_and_grad(fun: Callable[_P, Any], argnums: Argnums, has_aux: Literal[True], *,
+                   micro_batches: MicroBatches, **options: Unpack[_ReducedOptions]
+                   ) -> Callable[_P, tuple[tuple[jax.Array, Any], Any]]: ...
+@overload
+def value_and_grad(fun: Callable[_P, Any], argnums: Argnums = ..., has_aux: bool = ..., *,
+                   micro_batches: MicroBatches, **options: Unpack[_ReducedOptions]
+                   ) -> Callable[_P, tuple[Any, Any]]: ...
+@_public
+def value_and_grad(
+    fun: Callable[_P, Any],
+    argnums: Argnums = 0,
+    has_aux: bool = False,
+    *,
+    micro_batches: MicroBatches | None = None,
+    batch_argnums: Argnums = 1,
+    rng_argnums: Argnums = (),
+    state_argnums: Argnums = (),
+    data_axes: str | Sequence[str] | None = None,
+    param_shardings: Any = None,
+    accum_dtype: Any = jnp.float32,
+    view: paths.View = "auto",
+    fsdp: fsdp_lib.Fsdp = "auto",
+    skip_nonfinite: bool = False,
+    **removed: Any,
+) -> Callable[_P, tuple[Any, Any]]:  # see the overloads
+  """Like ``jax.value_and_grad``, over ``micro_batches`` micro-batches of the batch.
+
+  The leaves of the arguments at ``batch_argnums`` are split along axis 0 into
+  ``micro_batches`` equal parts (micro-batch ``i`` holds rows ``i::micro_batches`` of each
+  device's rows, so a data-sharded batch is never resharded). Every other argument
+  (params, constants, keys) is shared by all micro-batches. ``fun`` runs on one
+  micro-batch at a time inside a single ``lax.scan``. The result has the structure
+  ``jax.value_and_grad(fun, argnums, has_aux)`` gives, and is the weighted mean of its
+  results over the global micro-batches, for every loss:
+
+  * if ``fun`` returns a scalar, each micro-batch weighs 1: for a **mean over the
+    micro-batch's examples** the value is the mean over all examples, exactly what
+    ``jax.value_and_grad`` gives on the whole batch;
+  * if ``fun`` returns :class:`fxaccum.Weighted` ``(total, weight)``, the value is
+    ``sum(total) / sum(weight)`` over all micro-batches (0 when the summed weight is 0),
+    and the gradient is that of this global ratio;
+  * if ``fun`` returns :class:`fxaccum.Sum` ``(loss)`` (a loss already normalized
+    globally, e.g. divided by the whole batch's token count, or a plain sum), the value
+    and the gradients are its sums over the micro-batches (and devices);
+  * with ``has_aux=True``, ``fun`` returns ``(loss, aux)``. Plain ``aux`` leaves are
+    averaged over the micro-batches with the loss's weights, in float32 (a micro-batch of
+    weight 0 adds nothing); a ``Weighted`` leaf is normalized by its own weight; a
+    :class:`fxaccum.Sum` leaf is summed; a :class:`fxaccum.Max` / :class:`fxaccum.Min`
+    leaf is combined by its maximum / minimum; a :class:`fxaccum.Concat` leaf
+    (per-example outputs) comes back for the whole batch, in its row order; a
+    :class:`fxaccum.Statistics` () comes back as the step's statistics (micro-batches
+    skipped, the gradient noise scale).
+
+  A flax NNX module among the arguments is taken the ``nnx.value_and_grad`` way: at a
+  differentiated position its ``nnx.Param``s are differentiated (another filter:
+  ``argnums=nnx.DiffState(i, filter)``) and the gradients come back as an ``nnx.State``;
+  all its other state (BatchNorm statistics, RNG counts, sown values) is threaded through
+  the micro-batches in order and written back into the module.
+
+  Losses that mix examples (batch statistics, BatchNorm in train mode, in-batch
+  negatives) get exactly this contract too. ``view`` picks how the loss runs on a mesh:
+  ``"auto"`` runs it per device, with one data-axis reduction after the loop, when an
+  analysis of its jaxpr proves that gives the same result (sums or means of per-example
+  terms), and otherwise on the global micro-batch like ``jax.value_and_grad``;
+  ``"device"`` forces the per-device view (each device's rows are a micro-batch of their
+  own, like DDP without SyncBatchNorm); ``"global"`` forces the global view.
+  ``fxaccum.diagnostics.report(step, ...).paths`` says which view a step took and why.
+
+  Gradients come back in the dtype of the params (like ``jax.grad``), summed in
+  ``accum_dtype``; the value has the dtype of the loss ``fun`` returned. Params sharded
+  over a data axis (FSDP) keep their sharding. In the per-device view ``fsdp`` picks how
+  they are gathered and their gradients reduced: ``"auto"`` (default) gathers each param
+  where the loss uses it (one layer at a time in a scan over stacked layers, ZeRO-3)
+  where that lowers the peak memory, else once per step with one reduce-scatter per
+  micro-batch (ZeRO-2); the report's paths say which and why.
+
+  Randomness: keys at ``rng_argnums`` are replaced, for micro-batch ``i``, by
+  ``jax.random.fold_in(key, i)``, so dropout differs between micro-batches.
+
+  Args:
+    fun: loss function; see above for what it returns.
+    argnums: which positional argument(s) to differentiate, as in ``jax.grad``; for an
+      NNX module, also ``nnx.DiffState(argnum, filter)``.
+    has_aux: whether ``fun`` returns ``(loss, aux)``.
+    micro_batches: the number ``k`` of micro-batches per call (a positive Python int), or
+      :class:`fxaccum.MicroBatchSize` ``(m)``: micro-batches of ``m`` rows, ``k`` following
+      the batch size at trace time.
+    batch_argnums: positional argument(s) holding the batch, split along axis 0.
+    rng_argnums: positional argument(s) holding PRNG keys to fold per micro-batch.
+    state_argnums: positional argument(s) threaded through the micro-batches, e.g. flax
+      linen's ``batch_stats``: the loss returns each one's new value as an
+      :class:`fxaccum.State` in its aux (``has_aux=True``), micro-batch ``i + 1`` receives
+      the value micro-batch ``i`` returned, and the aux holds the last one. (Without it, a
+      plain aux leaf is averaged over the micro-batches.)
+    data_axes: mesh axis name(s) the batch's axis 0 is sharded over; ``None`` infers them
+      (see :mod:`fxaccum.meshes`).
+    param_shardings: the params' shardings where JAX does not show them (inside
+      ``jax.jit`` on an ``Auto`` mesh): a tree of ``PartitionSpec`` / ``NamedSharding``
+      (or None) with the structure of the differentiated argument (a tuple of trees for
+      a tuple ``argnums``), e.g. from ``nn.get_partition_spec`` or
+      ``nnx.get_partition_spec``. FSDP gradients then come back sharded like the params.
+      flax NNX ``Variable`` sharding metadata is read without it.
+    accum_dtype: dtype of the gradient accumulators (float32 by default, also for bf16
+      params). Loss totals are always summed in at least float32, weights in int32 or
+      float32.
+    view: ``"auto"`` (default), ``"device"`` or ``"global"``; see above.
+    fsdp: for params sharded over a data axis, in the per-device view: ``"auto"``
+      (default), or one strategy, named after the ZeRO stage whose memory it has during
+      the step: ``"zero1"`` (gathered once, the gradient reduce-scattered once per step:
+      the least communication, whole float32 gradients live), ``"zero2"`` (gathered
+      once, reduce-scattered per micro-batch) or ``"zero3"`` (gathered where used and
+      again in the backward pass, reduce-scattered per micro-batch: the least memory).
+      See docs/sharding.md, "FSDP strategies".
+    skip_nonfinite: drop a micro-batch whose loss or gradient is not finite: it
+      contributes nothing (weight 0), and its module state update is not kept. The result
+      is that of the batch without those examples; a :class:`fxaccum.Statistics` in the
+      aux counts the micro-batches skipped.
+
+  Returns:
+    A function with the signature of ``fun`` returning ``(value, grads)``, or
+    ``((value, aux), grads)`` with ``has_aux=True``, as ``jax.value_and_grad``'s.
+
+  Raises:
+    ValueError / TypeError: for a bad ``micro_batches``, overlapping or out-of-range
+      argnums, a batch that does not split evenly (per device), unknown ``data_axes``,
+      non-float differentiated leaves, a ``has_aux`` mismatch, ``view="device"`` with a
+      loss that cannot run per device, or an option this version no longer takes (the
+      message names its new spelling); all at trace time.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, fxaccum
+    >>> def loss(w, batch):
+    ...   x, y = batch
+    ...   return jnp.mean((x @ w - y) ** 2)
+    >>> w = jnp.ones(3)
+    >>> batch = (jnp.arange(24.0).reshape(8, 3), jnp.ones(8))
+    >>> value, g = fxaccum.value_and_grad(loss, micro_batches=4)(w, batch)
+    >>> ref_value, ref_g = jax.value_and_grad(loss)(w, batch)
+    >>> bool(jnp.allclose(value, ref_value)), bool(jnp.allclose(g, ref_g))
+    (True, True)
+  """
+  return _entry_point(
+      "value_and_grad", fun, argnums, has_aux, removed, reduce=True,
+      micro_batches=micro_batches, batch_argnums=batch_argnums, rng_argnums=rng_argnums,
+      state_argnums=state_argnums, data_axes=data_axes, param_shardings=param_shardings,
+      accum_dtype=accum_dtype, view=view, fsdp=fsdp, skip_nonfinite=skip_nonfinite)
+
+
+@overload
+def value_and_unreduced_grad(
+    fun: Callable[_P, Any], argnums: Argnums = ..., has_aux: Literal[False] = ..., *,
+    micro_batches: MicroBatches, **options: Unpack[Options]
+) -> Callable[_P, tuple[jax.Array, reductions.Unreduced]]: ...
+@overload
+def value_and_unreduced_grad(
+    fun: Callable[_P, Any], argnums: Argnums = ..., *, has_aux: Literal[True],
+    micro_batches: MicroBatches, **options: Unpack[Options]
+) -> Callable[_P, tuple[tuple[jax.Array, Any], reductions.Unreduced]]: ...
+@overload
+def value_and_unreduced_grad(
+    fun: Callable[_P, Any], argnums: Argnums, has_aux: Literal[True], *,
+    micro_batches: MicroBatches, **options: Unpack[Options]
+) -> Callable[_P, tuple[tuple[jax.Array, Any], reductions.Unreduced]]: ...
+@overload
+def value_and_unreduced_grad(
+    fun: Callable[_P, Any], argnums: Argnums = ..., has_aux: bool = ..., *,
+    micro_batches: MicroBatches, **options: Unpack[Options]
+) -> Callable[_P, tuple[Any, reductions.Unreduced]]: ...
+def value_and_unreduced_grad(fun: Callable[_P, Any], argnums: Argnums = 0,
+                             has_aux: bool = False, *,
+                             micro_batches: MicroBatches | None = None,
+                             **options: Any) -> Callable[_P, tuple[Any, reductions.Unreduced]]:
+  """:func:`value_and_grad` whose gradients stay per device: deferred sync across steps.
+
+  The value (and aux) is :func:`value_and_grad`'s; the gradients come back as
+  :class:`fxaccum.Unreduced`, each data-parallel device's sum over its micro-batches and
+  its summed weight, without the data-axis reduction. Feed them to a chain with
+  ``fxaccum.accumulate(k, data_axes=...)`` applied by a gate (:class:`fxaccum.TrainState`,
+  :class:`fxaccum.Optimizer`, :func:`fxaccum.apply_gradients`), which adds them up per
+  device and reduces once per optimizer step. The params must be replicated over the
+  data axes; the loss returns a mean or :class:`fxaccum.Weighted` (the gate averages its
+  calls by their weights). ``options``: :func:`value_and_grad`'s, but ``fsdp``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fxaccum
+    >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+    >>> tx = optax.chain(fxaccum.accumulate(2, data_axes="data"), optax.sgd(0.1))
+    >>> grad_fn = fxaccum.value_and_unreduced_grad(loss, micro_batches=2)
+    >>> n = jax.device_count()
+    >>> with jax.set_mesh(jax.make_mesh((n,), ("data",))):
+    ...   w = jnp.ones(3)
+    ...   opt_state = tx.init(w)
+    ...   for call in range(2):   # the gate reduces the gradients once, in the 2nd call
+    ...     _, g = grad_fn(w, jax.device_put(jnp.ones((4 * n, 3)), jax.P("data")))
+    ...     w, opt_state = fxaccum.apply_gradients(tx, g, opt_state, w)
+    >>> type(g).__name__, [round(float(v), 4) for v in w]   # one SGD step on the mean, 6
+    ('Unreduced', [0.4, 0.4, 0.4])
+  """
+  return _entry_point("value_and_unreduced_grad", fun, argnums, has_aux, options,
+                      reduce=False, micro_batches=micro_batches)
+
+
+@overload
+def grad(fun: Callable[_P, Any], argnums: Argnums = ..., has_aux: Literal[False] = ..., *,
+         micro_batches: MicroBatches, **options: Unpack[_ReducedOptions]) -> Callable[_P, Any]:
+  ...
+@overload
+def grad(fun: Callable[_P, Any], argnums: Argnums = ..., *, has_aux: Literal[True],
+         micro_batches: MicroBatches, **options: Unpack[_ReducedOptions]
+         ) -> Callable[_P, tuple[Any, Any]]: ...
+@overload
+def grad(fun: Callable[_P, Any], argnums: Argnums, has_aux: Literal[True], *,
+         micro_batches: MicroBatches, **options: Unpack[_ReducedOptions]
+         ) -> Callable[_P, tuple[Any, Any]]: ...
+@overload
+def grad(fun: Callable[_P, Any], argnums: Argnums = ..., has_aux: bool = ..., *,
+         micro_batches: MicroBatches, **options: Unpack[_ReducedOptions]) -> Callable[_P, Any]:
+  ...
+def grad(fun: Callable[_P, Any], argnums: Argnums = 0, has_aux: bool = False, *,
+         micro_batches: MicroBatches | None = None, **options: Any) -> Callable[_P, Any]:
+  """Like ``jax.grad``, over micro-batches; see :func:`value_and_grad` for the options.
+
+  Returns ``grads``, or ``(grads, aux)`` with ``has_aux=True``, as ``jax.grad``'s.
+
+  Example:
+    >>> import jax.numpy as jnp, fxaccum
+    >>> def loss(w, x):
+    ...   return fxaccum.Weighted(total=jnp.sum(x * w), weight=jnp.sum(x != 0))
+    >>> x = jnp.array([[1.0], [0.0], [3.0], [0.0]])   # two padding rows
+    >>> fxaccum.grad(loss, micro_batches=2)(jnp.ones(1), x)   # (1 + 3) / 2 tokens
+    Array([2.], dtype=float32)
+  """
+  value_and_grad_fn = _entry_point("grad", fun, argnums, has_aux, options, reduce=True,
+                                   micro_batches=micro_batches)
+
+  @functools.wraps(fun)
+  def grad_fn(*args, **call_kwargs):
+    value, grads = value_and_grad_fn(*args, **call_kwargs)
+    return (grads, value[1]) if has_aux else grads
+
+  return grad_fn
+
+
+def _entry_point(entry: str, fun: Callable[..., Any], argnums: Any, has_aux: bool,
+                 given: dict[str, Any], *, reduce: bool, **options: Any) -> Callable[..., Any]:
+  """The function an entry point returns, from its options (``given``: the keyword
+  arguments it did not name: removed options, or, for :func:`grad`, all of them)."""
+  options = {**options, **{k: v for k, v in given.items() if k not in _REMOVED}}
+  known = set(_ReducedOptions.__annotations__) | {"micro_batches"}
+  for name in given:
+    if name in _REMOVED:
+      raise TypeError(f"fxaccum.{entry} no longer takes {name}=; use {_REMOVED[name]}.")
+    if name not in known or (name == "fsdp" and not reduce):
+      raise TypeError(f"fxaccum.{entry}() got an unexpected keyword argument {name!r}.")
+  config = _make_config(fun, argnums, has_aux, reduce=reduce, **options)
+  compiled: dict[Any, Callable[..., Any]] = {}  # one jitted program per layout (eager calls)
+
+  @functools.wraps(fun)
+  def value_and_grad_fn(*args, **kwargs):
+    return _call(config, compiled, args, kwargs)
+
+  return value_and_grad_fn
+
+
+def _make_config(fun, argnums, has_aux, *, micro_batches=None, batch_argnums=1,
+                 rng_argnums=(), state_argnums=(), data_axes=None, param_shardings=None,
+                 accum_dtype=jnp.float32, view="auto", fsdp="auto", skip_nonfinite=False,
+                 reduce) -> Config:
+  """Validates the entry points' arguments (all static) into a :class:`Config`."""
+  if micro_batches is None:
+    raise TypeError(
+        "fxaccum needs micro_batches=k (the number of micro-batches) or "
+        "micro_batches=fxaccum.MicroBatchSize(m) (the rows of one micro-batch across all "
+        "data devices).")
+  micro_batch_size = None
+  if isinstance(micro_batches, MicroBatchSize):
+    micro_batch_size, micro_batches = micro_batches.rows, 1  # k set per call from the rows
+  micro_batches = split.check_micro_batches(micro_batches)
+  nnx_lib = _nnx_loaded()
+  argnums, filters = nnx_lib.argnums_and_filters(argnums) if nnx_lib else (argnums, {})
+  diff_argnums = split.as_argnums(argnums, "argnums")
+  batch_argnums_t = split.as_argnums(batch_argnums, "batch_argnums")
+  rng_argnums_t = split.as_argnums(rng_argnums, "rng_argnums")
+  state_argnums_t = split.as_argnums(state_argnums, "state_argnums")
+  _check_roles(diff_argnums, batch_argnums_t, rng_argnums_t, state_argnums_t)
+  if state_argnums_t and not has_aux:
+    raise ValueError(
+        "state_argnums needs has_aux=True: the loss returns each threaded argument's new "
+        "value in its aux, as fxaccum.State(new_value).")
+  for name, value, allowed in (("view", view, ("auto", "global", "device")),
+                               ("fsdp", fsdp, fsdp_lib.STRATEGIES)):
+    if value not in allowed:
+      raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+  accum_dtype = jnp.dtype(accum_dtype)
+  if not jnp.issubdtype(accum_dtype, jnp.floating):
+    raise TypeError(f"accum_dtype must be a float dtype, got {accum_dtype}.")
+  single_argnum = isinstance(argnums, int)
+  if param_shardings is not None:
+    param_shardings = (param_shardings,) if single_argnum else tuple(param_shardings)
+  return Config(
+      fun=fun, has_aux=has_aux, micro_batches=micro_batches,
+      micro_batch_size=micro_batch_size, diff_argnums=diff_argnums,
+      single_argnum=single_argnum, filters=filters, batch_argnums=batch_argnums_t,
+      rng_argnums=rng_argnums_t, state_argnums=state_argnums_t,
+      data_axes=None if data_axes is None else _as_axes(data_axes),
+      param_shardings=param_shardings, accum_dtype=accum_dtype, fsdp=fsdp,
+      reduce=reduce, view=view, skip_nonfinite=bool(skip_nonfinite))
+
+
+def _check_roles(diff: tuple[int, ...], batch: tuple[int, ...], rng: tuple[int, ...],
+                 state: tuple[int, ...]) -> None:
+  """Each positional argument has one role: differentiated, split, folded or threaded."""
+  for name, other in (("batch_argnums", batch), ("rng_argnums", rng),
+                      ("state_argnums", state)):
+    overlap = set(diff) & set(other)
+    if overlap:
+      raise ValueError(
+          f"argnums and {name} overlap at {sorted(overlap)}: fxaccum differentiates with "
+          "respect to shared arguments only. Move the differentiated values out of the batch."
+      )
+  if set(batch) & set(rng):
+    raise ValueError(
+        f"batch_argnums and rng_argnums overlap at {sorted(set(batch) & set(rng))}; keys "
+        "in the batch are already split per micro-batch, so leave them out of rng_argnums."
+    )
+  if set(state) & (set(batch) | set(rng)):
+    raise ValueError(
+        f"state_argnums {state} overlaps batch_argnums or rng_argnums: a threaded "
+        "argument is neither split nor folded. Name each argument in one of them.")
+
+
+def _call(config: Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> Any:
+  """One call of the function ``value_and_grad`` returned."""
+  highest = max((*config.diff_argnums, *config.batch_argnums, *config.rng_argnums,
+                 *config.state_argnums))
+  if highest >= len(args):
+    raise TypeError(
+        f"{getattr(config.fun, '__name__', 'fun')} was called with {len(args)} positional "
+        f"arguments, but argnums/batch_argnums/rng_argnums/state_argnums refer to argument "
+        f"{highest}. Pass the params and the batch positionally."
+    )
+  module_args = args
+  _check_graph_nodes(args, config)
+  nnx_lib = _nnx_loaded()
+  args, state, sown, modules = (
+      nnx_lib.Modules.split(args, config.diff_argnums, config.filters) if nnx_lib
+      else (list(args), (), (), None))
+  # Threaded: the NNX graph nodes' state, and the arguments at state_argnums.
+  state = (state, tuple(args[i] for i in config.state_argnums))
+  diff = [args[i] for i in config.diff_argnums]
+  batch = [args[i] for i in config.batch_argnums]
+  other = [a for i, a in enumerate(args)
+           if i not in config.diff_argnums + config.batch_argnums]
+  _check_differentiable(diff, config.diff_argnums)
+  layout = meshes.plan(jax.tree.leaves(diff), jax.tree.leaves(batch),
+                     jax.tree.leaves((other, state)), config.data_axes,
+                     meshes.param_hints(diff, config.param_shardings))
+  if config.micro_batch_size is not None:
+    config = _sized(config, split.leading_size(batch, 1, layout.data_devices),
+                    layout.data_devices)
+  rows = split.leading_size(batch, config.micro_batches, layout.data_devices)
+  _check_kwargs(kwargs, rows, config)
+  if not config.reduce and any(layout.param_dims):
+    raise ValueError(
+        "fxaccum.value_and_unreduced_grad keeps one full gradient per device, so it needs "
+        "params replicated over the data axes, but some params are sharded over them "
+        "(FSDP). Use fxaccum.value_and_grad with a cross-step accumulate() without "
+        "data_axes."
+    )
+  # Keyword arguments reach `fun` as given (like jax.value_and_grad): not split, not
+  # differentiated; an eager call compiles once per layout and static keyword values.
+  kw_leaves, kw_def = jax.tree.flatten(kwargs)
+  dynamic = [i for i, leaf in enumerate(kw_leaves) if is_array(leaf)]
+
+  def run(packed, kw_arrays):
+    leaves = list(kw_leaves)
+    for i, array in zip(dynamic, kw_arrays, strict=True):
+      leaves[i] = array
+    return run_call(config, layout, jax.tree.unflatten(kw_def, leaves), modules, packed)
+
+  kw_arrays = [kw_leaves[i] for i in dynamic]
+  if _is_traced(args, kwargs, state):
+    out, (state, new_sown) = run((args, state), kw_arrays)
+  else:
+    key = (layout, modules, kw_def, config.micro_batches,
+           tuple((i, leaf) for i, leaf in enumerate(kw_leaves) if i not in dynamic))
+    try:
+      jitted = compiled.setdefault(key, jax.jit(run))
+    except TypeError:  # an unhashable static keyword value: compile for this call only
+      jitted = jax.jit(run)
+    out, (state, new_sown) = jitted((args, state), kw_arrays)
+  if modules is not None:  # as nnx.value_and_grad does: the modules' state, in place
+    modules.update(module_args, state[0], sown, new_sown)
+  return out
+
+
+def _nnx_loaded() -> Any:
+  """:mod:`fxaccum.integrations.nnx_modules` where flax NNX is loaded (an NNX graph node
+  or ``DiffState`` can only exist then), else None: fxaccum loads no flax of its own."""
+  if "flax.nnx" not in sys.modules:
+    return None
+  from fxaccum.integrations import nnx_modules  # imports flax, loaded already
+  return nnx_modules
+
+
+def _sized(config: Config, rows: int, devices: int) -> Config:
+  """The config for a batch of ``rows`` rows with ``MicroBatchSize(m)``: ``k = rows // m``."""
+  m = config.micro_batch_size
+  assert m is not None
+  if rows % m:
+    raise ValueError(
+        f"MicroBatchSize({m}) does not divide the batch's {rows} rows: pass a "
+        f"MicroBatchSize that divides every batch size you train with (or a batch of a "
+        f"multiple of {m} rows).")
+  if m % devices:
+    raise ValueError(
+        f"MicroBatchSize({m}) splits a micro-batch over {devices} data devices, which "
+        f"gives some of them less than one row: use a multiple of {devices} (at least "
+        f"{devices}).")
+  return dataclasses.replace(config, micro_batches=rows // m)
+
+
+def _check_graph_nodes(args: Sequence[Any], config: Config) -> None:
+  """NNX graph nodes (modules, ``nnx.Rngs``, Variables) are threaded through the
+  micro-batches like module state: one cannot be the batch, nor a key to fold."""
+  for name, argnums in (("batch_argnums", config.batch_argnums),
+                        ("rng_argnums", config.rng_argnums),
+                        ("state_argnums", config.state_argnums)):
+    for i in argnums:
+      if (nnx_lib := _nnx_loaded()) and nnx_lib.is_graph_node(args[i]):
+        raise TypeError(
+            f"argument {i} is an {type(args[i]).__name__} (an NNX graph node), but "
+            f"{name}={getattr(config, name)} names it. fxaccum threads NNX graph nodes "
+            "through the micro-batches like module state (an nnx.Rngs advances once per "
+            "micro-batch), and splits only the batch: pass the batch as an argument of "
+            "its own and name it in batch_argnums, e.g. loss_fn(model, batch, rngs) with "
+            "batch_argnums=1 (a batch the loss closes over is not split).")
+
+
+def _check_kwargs(kwargs: dict, rows: int, config: Config) -> None:
+  """Keyword arguments are shared by all micro-batches: one with the batch's rows on
+  axis 0 is most likely batch data that would not be split."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(kwargs)[0]:
+    shape = jnp.shape(leaf) if is_array(leaf) else ()
+    if rows > 1 and shape[:1] == (rows,):
+      raise ValueError(
+          f"Keyword argument {jax.tree_util.keystr(path)} has the batch's {rows} rows on "
+          "axis 0, but keyword arguments are passed to every micro-batch whole, not split. "
+          "Pass batch data positionally and list its position in batch_argnums (now "
+          f"{config.batch_argnums}).")
+
+
+def _as_axes(data_axes: str | Sequence[str]) -> tuple[str, ...]:
+  if isinstance(data_axes, str):
+    return (data_axes,)
+  if not isinstance(data_axes, (tuple, list)) or not all(isinstance(a, str) for a in data_axes):
+    raise TypeError(
+        f"data_axes must be a mesh axis name or a tuple of them (or () for none), got "
+        f"{data_axes!r}.")
+  if len(set(data_axes)) != len(data_axes):
+    raise ValueError(f"data_axes names an axis twice: {tuple(data_axes)}.")
+  return tuple(data_axes)
+
+
+def _is_traced(*trees: Any) -> bool:
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(trees))
+
+
+def _check_differentiable(diff: Sequence[Any], diff_argnums: tuple[int, ...]) -> None:
+  for argnum, tree in zip(diff_argnums, diff, strict=True):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      dtype = jnp.result_type(leaf)
+      if not jnp.issubdtype(dtype, jnp.inexact):
+        raise TypeError(
+            f"fxaccum.value_and_grad requires float inputs at argnums, but argument "
+            f"{argnum} has leaf {jax.tree_util.keystr(path) or '<root>'} of dtype {dtype}. "
+            "Differentiate only float params: pass an NNX module itself (its nnx.Params are "
+            "differentiated, its other state threaded through), or integer state in "
+            "another argument."
+        )

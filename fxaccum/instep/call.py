@@ -1,0 +1,210 @@
+"""What one traced call of the in-step function holds: its static configuration, its
+arguments, and the loss run on one micro-batch (what it returned: a mean, ``Weighted`` or
+``Sum``; its aux markers; the threaded state)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType
+
+from fxaccum import meshes, split
+from fxaccum.instep import fsdp as fsdp_lib
+from fxaccum.instep import paths
+from fxaccum.markers import (
+  Concat,
+  Max,
+  Min,
+  State,
+  Sum,
+  Weighted,
+  weight_dtype,
+)
+from fxaccum.statistics import Statistics
+
+if TYPE_CHECKING:
+  from fxaccum.integrations import nnx_modules
+
+__all__ = ["Call", "Config", "LossKind", "explicit", "is_array", "is_marker",
+           "micro_batch_avals", "micro_loss"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Static configuration of one ``value_and_grad`` (closed over, never traced)."""
+
+  fun: Callable[..., Any]
+  has_aux: bool
+  micro_batches: int
+  micro_batch_size: int | None  # micro_batches then follows the batch, per call
+  diff_argnums: tuple[int, ...]
+  single_argnum: bool
+  filters: dict[int, Any]
+  batch_argnums: tuple[int, ...]
+  rng_argnums: tuple[int, ...]
+  state_argnums: tuple[int, ...]
+  data_axes: tuple[str, ...] | None  # None: inferred per call
+  param_shardings: tuple[Any, ...] | None  # one tree per differentiated argument
+  accum_dtype: Any
+  fsdp: fsdp_lib.Fsdp
+  reduce: bool  # False: value_and_unreduced_grad
+  view: paths.View
+  skip_nonfinite: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One traced call: the differentiated leaves and everything else ``fun`` receives.
+
+  ``state`` is what is threaded through the micro-batches: ``(the NNX graph nodes' state
+  (() without them), the values of the arguments at state_argnums)``. Each micro-batch's
+  call takes the state the previous one left.
+  """
+
+  diff_leaves: list[Any]
+  diff_def: Any
+  rest: tuple[Any, ...]  # the positional args, None at the differentiated ones
+  kwargs: dict[str, Any]
+  state: Any = ((), ())
+  modules: nnx_modules.Modules | None = None
+  # Appended by each trace of the loss: what it returned (see LossKind).
+  kinds: list[LossKind] = dataclasses.field(default_factory=list, compare=False)
+
+  def batch(self, config: Config) -> dict[int, Any]:
+    return {i: self.rest[i] for i in config.batch_argnums}
+
+  def loss(self, config: Config, diff_leaves, micro, index, state) -> tuple[Any, ...]:
+    """``fun`` on micro-batch ``micro`` (number ``index``) with module state ``state``, as
+    ``(total, weight, aux, state, sown)``."""
+    call_args = list(self.rest)
+    for i in config.batch_argnums:
+      call_args[i] = micro[i]
+    for i in config.rng_argnums:
+      call_args[i] = split.fold(self.rest[i], index)
+    values = jax.tree.unflatten(self.diff_def, diff_leaves)
+    for i, value in zip(config.diff_argnums, values, strict=True):
+      call_args[i] = value
+    module_state, threaded = state
+    for i, value in zip(config.state_argnums, threaded, strict=True):
+      call_args[i] = value
+    after = None
+    if self.modules is not None:
+      call_args, after = self.modules.merged(call_args, module_state)
+    with jax.named_scope("fxaccum_compute"), meshes.linen_rules_without_manual_axes():
+      out = config.fun(*call_args, **self.kwargs)
+    module_state, sown = after() if after is not None else ((), ())
+    loss, aux = _split_output(out, config.has_aux)
+    state = (module_state, _threaded(aux, threaded, config))
+    total, weight, kind = _total_and_weight(loss)
+    if kind == "sum" and not config.reduce:
+      raise TypeError(
+          "fxaccum.value_and_unreduced_grad feeds a gate that averages its calls by their "
+          "weights, but the loss returned fxaccum.Sum (already normalized). Return "
+          "fxaccum.Weighted(total, count) from the loss instead.")
+    self.kinds.append(kind)
+    return total, weight, aux, state, sown
+
+
+def _threaded(aux: Any, threaded: tuple[Any, ...], config: Config) -> tuple[Any, ...]:
+  """The new values of the arguments at ``state_argnums``: the ``State`` markers of
+  ``aux``, in order, each like the value it replaces (``threaded``)."""
+  states = [m for m in jax.tree.leaves(aux, is_leaf=is_marker) if isinstance(m, State)]
+  if len(states) != len(config.state_argnums):
+    raise TypeError(
+        f"state_argnums={config.state_argnums} threads {len(config.state_argnums)} "
+        f"argument(s), but the loss's aux holds {len(states)} fxaccum.State marker(s): "
+        "return each threaded argument's new value as fxaccum.State(new_value) in the aux, "
+        "in the order of state_argnums.")
+  for i, old, new in zip(config.state_argnums, threaded, states, strict=True):
+    want, got = jax.eval_shape(lambda t: t, old), jax.eval_shape(lambda t: t, new.value)
+    same = str(jax.tree.structure(want)) == str(jax.tree.structure(got)) and all(
+        (a.shape, a.dtype) == (b.shape, b.dtype)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True))
+    if not same:
+      raise TypeError(
+          f"The fxaccum.State for argument {i} ({_summary(got)}) does not match the "
+          f"argument ({_summary(want)}): the next micro-batch receives it in the "
+          "argument's place, so it must have the argument's tree, shapes and dtypes.")
+  return tuple(s.value for s in states)
+
+
+def _summary(tree: Any) -> str:
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0][:3]
+  return ", ".join(f"{jax.tree_util.keystr(p) or 'value'}: {x.dtype}{list(x.shape)}"
+                   for p, x in leaves) or "no arrays"
+
+
+def _split_output(out: Any, has_aux: bool) -> tuple[Any, Any]:
+  """``fun``'s output as ``(loss, aux)``, raising on a ``has_aux`` mismatch."""
+  if has_aux:
+    if isinstance(out, Weighted) or not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise TypeError(
+          "has_aux=True, so the loss function must return a pair (loss, aux), but it "
+          f"returned {type(out).__name__}. Return (loss, aux) or set has_aux=False."
+      )
+    return out[0], out[1]
+  if isinstance(out, (tuple, list)):
+    raise TypeError(
+        f"The loss function returned a {type(out).__name__} of length {len(out)}; without "
+        "has_aux it must return a scalar or fxaccum.Weighted. If it returns (loss, aux), "
+        "pass has_aux=True."
+    )
+  return out, None
+
+
+# What a loss returned: a scalar mean over its micro-batch, fxaccum.Weighted or fxaccum.Sum.
+LossKind = Literal["mean", "weighted", "sum"]
+
+
+def _total_and_weight(loss: Any) -> tuple[jax.Array, jax.Array, LossKind]:
+  """A micro-batch's ``(total, weight, kind)``: a mean or a ``Sum`` counts as its total with
+  weight 1 (a ``Sum``'s totals are then added up, not divided by their weights)."""
+  if isinstance(loss, Weighted):
+    total, weight = jnp.asarray(loss.total), jnp.asarray(loss.weight)
+    if total.shape or weight.shape:
+      raise TypeError(
+          f"Weighted(total, weight) must hold scalars, got shapes {total.shape} and "
+          f"{weight.shape}. Sum over the items: Weighted(jnp.sum(mask * l), jnp.sum(mask))."
+      )
+    return total, lax.stop_gradient(weight).astype(weight_dtype(weight)), "weighted"
+  kind: LossKind = "sum" if isinstance(loss, Sum) else "mean"
+  value = jnp.asarray(loss.value if isinstance(loss, Sum) else loss)
+  if value.shape or not jnp.issubdtype(value.dtype, jnp.floating):
+    raise TypeError(
+        f"The loss function must return a float scalar (the mean over its micro-batch), "
+        f"fxaccum.Weighted(total, weight) or fxaccum.Sum(scalar); got "
+        f"{'fxaccum.Sum of ' if kind == 'sum' else ''}{value.dtype}{list(value.shape)}.")
+  return value, jnp.ones((), jnp.int32), kind
+
+
+def explicit(mesh: Any, axes: Sequence[str]) -> bool:
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  return bool(axes) and all(types[a] == AxisType.Explicit for a in axes)
+
+
+def micro_batch_avals(config: Config, call: Call) -> Any:
+  """The abstract micro-batch (``{batch argnum: tree}``) that ``fun`` receives."""
+  return jax.eval_shape(lambda b: split.micro_batch(b, 0, config.micro_batches),
+                        call.batch(config))
+
+
+def is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, jax.core.Tracer)) or hasattr(x, "__array__")
+
+
+def micro_loss(config: Config, call: Call) -> Callable[..., Any]:
+  """``fun`` on a micro-batch as the loop differentiates it: ``(whole params, micro-batch,
+  index, state) -> (total, (weight, aux, state, sown))``."""
+  def micro_loss(full, micro, index, state):
+    total, weight, aux, state, sown = call.loss(config, full, micro, index, state)
+    return total, (weight, aux, state, sown)
+  return micro_loss
+
+
+def is_marker(x: Any) -> bool:
+  return isinstance(x, (Weighted, Sum, Max, Min, Concat, State, Statistics))

@@ -1,0 +1,351 @@
+"""The micro-batch loop both views share: one ``lax.scan`` over the micro-batches, an
+accumulator per output (gradients, loss total and weight, each aux marker, the step's
+statistics), the module state threaded through in order, and the reductions after it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jcore
+
+from fxaccum import analysis as analysis_lib
+from fxaccum import meshes, reductions, split
+from fxaccum.instep import accumulators as acc
+from fxaccum.instep import gather as gather_lib
+from fxaccum.instep.call import Call, Config, LossKind, is_marker, micro_batch_avals, micro_loss
+from fxaccum.markers import (
+  Concat,
+  Max,
+  Min,
+  State,
+  all_finite,
+  highest,
+  lowest,
+  safe_divide,
+)
+from fxaccum.statistics import Statistics
+
+if TYPE_CHECKING:
+  pass
+
+__all__ = ["NOISE_TERMS", "loop", "sq_norm"]
+
+
+# ---------------------------------------------------------------------------------------
+# The micro-batch loop, shared by both views
+
+
+class _StatisticsPerDevice(Exception):
+  """A one-micro-batch step asked for Statistics: its noise scale's small batches are the
+  devices' rows, so it runs per device, not as jax.value_and_grad's program."""
+
+
+def loop(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],
+          gather_dims: Sequence[meshes.DataDims], grads: acc.Accumulator,
+          presummed: bool = False, traced: gather_lib.Traced | None = None,
+          direct: bool = False):
+  """The micro-batch loop: ``grads`` sums the gradients, and one accumulator each the loss
+  totals, weights and aux outputs, while the module state is threaded through in order;
+  ``axes`` are the manual axes the sums are reduced over afterwards.
+
+  With ``presummed`` (per-rank code in the caller's shard_map), a loss total, weight or aux
+  leaf that depends on the batch but does not vary over some of those axes was summed over
+  them by the loss itself (its ``psum``) and is not summed again; the gradients always are.
+  With ``traced`` (``fsdp="zero3"``), the loss traced on whole params runs on the shards
+  ``whole``, gathering each where it is used. ``direct`` (one micro-batch, run as
+  ``jax.value_and_grad`` runs it) raises :class:`_StatisticsPerDevice` for a loss that asks
+  for :class:`fxaccum.Statistics`.
+
+  Returns ``((value, aux, statistics), grads, local_weight, (state, sown))``: ``grads`` as
+  ``grads.finalize`` gives them, ``statistics`` None or the skipped count and the summed
+  :data:`NOISE_TERMS` (None where the step has no noise scale), ``local_weight`` this
+  device's share of the summed loss weight (the shares add up to it over ``axes``),
+  ``sown`` the values sown per micro-batch, stacked.
+  """
+  step = _micro_step(config, call, axes, gather_dims, traced)
+  # The micro-step is traced once: its outputs (abstract, with the manual axes each varies
+  # over) shape the accumulators, and the loop body runs its jaxpr.
+  closed, shapes = jax.make_jaxpr(step, return_shape=True)(whole, jnp.int32(0), call.state)
+  sums = _Sums.of(config, call, closed, shapes, axes, presummed, grads,
+                  micro_gradients=traced is None)
+  if direct and sums.statistics:
+    raise _StatisticsPerDevice()
+  _warn_batch_shaped(config, call, whole, gather_dims, sums.markers)
+  init = (sums.accumulator.init(), call.state)
+  body = _loop_body(config, jcore.jaxpr_as_fun(closed), jax.tree.structure(shapes), sums,
+                    init, whole, gather_dims, axes, zero3=traced is not None)
+  if config.micro_batches == 1:  # one micro-batch: no loop, the step as jax.value_and_grad
+    (carry, state), sown = body(init, jnp.int32(0))  # runs it
+    sown = jax.tree.map(lambda x: x[None], sown)
+  else:
+    (carry, state), sown = lax.scan(body, init, jnp.arange(config.micro_batches))
+  with jax.named_scope("fxaccum_reduce"):
+    value_aux, grad_values, local_weight = sums.finalize(carry, axes)
+  return value_aux, grad_values, local_weight, (state, sown)
+
+
+def _micro_step(config: Config, call: Call, axes: tuple[str, ...],
+                gather_dims: Sequence[meshes.DataDims], traced: gather_lib.Traced | None
+                ) -> Callable[..., Any]:
+  """One micro-step, ``(params, index, state) -> ((total, (weight, aux, state, sown)),
+  local gradients)``: FSDP leaves gathered (``gather_dims``) as the compiler places it,
+  or (``traced``) where the loss uses them."""
+  batch = call.batch(config)
+  loss = micro_loss(config, call)
+
+  def step(leaves, index, state):
+    micro = split.micro_batch(batch, index, config.micro_batches)
+    if traced is not None:  # the shards tied to the loop index: no gather is hoisted above
+      leaves, _ = lax.optimization_barrier((leaves, index))  # the loop
+      return gather_lib.value_and_grad(traced, leaves, micro, index, state)
+    full = meshes.vary([reductions.gather(leaf, dims) for leaf, dims in zip(
+        leaves, gather_dims, strict=True)], axes)  # still varying: local gradients
+    return jax.value_and_grad(loss, has_aux=True)(full, micro, index, state)
+
+  return step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sums:
+  """The loop's accumulators: the gradients', the loss total and weight, each aux marker's,
+  the skipped count and (where the step has one) the noise scale's terms, and all of them
+  together (``accumulator``, over lists of the values in that order)."""
+
+  grads: acc.Accumulator
+  total: acc.Accumulator
+  weight: acc.Accumulator
+  aux: acc.Accumulator
+  skipped: acc.Accumulator
+  noise: acc.Accumulator | None
+  total_aval: Any
+  aux_def: Any  # the aux's tree structure, its markers as leaves
+  markers: list[Any]
+  weight_axes: frozenset[str]
+  kind: LossKind
+  statistics: bool  # whether the aux asks for Statistics
+  rows_per_weight: int  # the examples a unit of loss weight stands for (noise scale)
+
+  @property
+  def accumulator(self) -> acc.Accumulator:
+    return acc.combined([self.grads, self.total, self.weight, self.aux, self.skipped,
+                         *([self.noise] if self.noise else [])])
+
+  @staticmethod
+  def of(config: Config, call: Call, closed: Any, shapes: Any, axes: tuple[str, ...],
+         presummed: bool, grads: acc.Accumulator, micro_gradients: bool) -> _Sums:
+    """The accumulators of a micro-step traced as ``closed``; ``micro_gradients``: whether
+    it returns each micro-batch's gradient before any reduction (not zero3's)."""
+    out_def = jax.tree.structure(shapes)
+    (total_aval, (weight_aval, aux_avals, _, _)), _ = jax.tree.unflatten(
+        out_def, closed.out_avals)
+    summed = _summed_over(closed, axes, call.batch(config), presummed)
+    (total_axes, (weight_axes, aux_axes, _, _)), _ = jax.tree.unflatten(
+        out_def, [frozenset(axes) if s is None else s for s in summed])
+    (_, (constant_weight, _, _, _)), _ = jax.tree.unflatten(out_def, [s is None for s in summed])
+    if constant_weight:  # the same on every device (a scalar loss's 1): summed like the total
+      weight_axes = total_axes
+    markers = jax.tree.leaves(aux_avals, is_leaf=is_marker)
+    kind = call.kinds[-1]
+    statistics = any(isinstance(m, Statistics) for m in markers)
+    # The noise scale's small batches are each device's share of a micro-batch (or the
+    # global micro-batch): a device's gradient must be that share's, not yet reduced, of a
+    # mean loss, and the step's gradient must be reduced.
+    noise = (statistics and micro_gradients and config.reduce and kind != "sum"
+             and set(weight_axes) == set(axes))
+    batch_rows = jax.tree.leaves(call.batch(config))[0].shape[0]
+    return _Sums(
+        grads=grads,
+        total=acc.summed(total_aval, _ordered(axes, total_axes),
+                         jnp.promote_types(total_aval.dtype, jnp.float32)),
+        weight=acc.summed(weight_aval, _ordered(axes, weight_axes)),
+        aux=acc.combined([
+            acc.for_aux(m, jax.tree.map(functools.partial(_ordered, axes), m_axes),
+                        config.micro_batches)
+            for m, m_axes in zip(markers, jax.tree.leaves(aux_axes, is_leaf=is_marker),
+                                 strict=True)]),
+        skipped=acc.summed(jax.ShapeDtypeStruct((), jnp.int32), axes),
+        noise=acc.summed(jax.ShapeDtypeStruct((len(NOISE_TERMS),), jnp.float32), axes)
+        if noise else None,
+        total_aval=total_aval, aux_def=jax.tree.structure(aux_avals, is_leaf=is_marker),
+        markers=markers, weight_axes=weight_axes, kind=kind, statistics=statistics,
+        # A mean loss weighs 1 and stands for the micro-batch's rows; a Weighted one
+        # counts its own items.
+        rows_per_weight=1 if kind == "weighted" else batch_rows // config.micro_batches)
+
+  def finalize(self, carry: list[Any], axes: tuple[str, ...]):
+    """``((value, aux, statistics), grads, local_weight)`` of the summed ``carry``."""
+    grad_sums, total_sum, weight_sum, aux_sums, skipped_sum, *noise_sums = carry
+    shared = [a for a in axes if a not in self.weight_axes]
+    local_weight = weight_sum.astype(jnp.float32) / math.prod(
+        lax.axis_size(a) for a in shared)
+    summed_weight = self.weight.finalize(weight_sum, None)
+    # The aux is averaged with the loss weights; the value and gradients are normalized
+    # by them, or (a Sum loss) left as sums over the micro-batches.
+    norm = jnp.ones_like(summed_weight) if self.kind == "sum" else summed_weight
+    aux = jax.tree.unflatten(self.aux_def, self.aux.finalize(aux_sums, summed_weight))
+    value = safe_divide(self.total.finalize(total_sum, norm), norm).astype(
+        self.total_aval.dtype)
+    statistics = None
+    if self.statistics:
+      statistics = (self.skipped.finalize(skipped_sum, summed_weight),
+                    self.noise.finalize(noise_sums[0], None) if self.noise else None)
+    return (value, aux, statistics), self.grads.finalize(grad_sums, norm), local_weight
+
+
+def _loop_body(config: Config, traced_step: Callable[..., Any], out_def: Any, sums: _Sums,
+               init: Any, whole: list[Any], gather_dims: Sequence[meshes.DataDims],
+               axes: tuple[str, ...], zero3: bool) -> Callable[..., Any]:
+  """The scan body over micro-batch indices: ``((sums, state), index) -> ((sums, state),
+  sown)``, its carry typed like ``init``."""
+  accumulator = sums.accumulator
+
+  def body(carry, index):
+    sums_carry, old_state = carry
+    # A jaxpr output that is a literal (a Python number in the aux) comes back as one.
+    outs = [x if isinstance(x, jax.Array) else jnp.asarray(x)
+            for x in traced_step(*jax.tree.leaves((whole, index, old_state)))]
+    (loss_total, (loss_weight, aux_values, state, sown)), grad_values = jax.tree.unflatten(
+        out_def, outs)
+    # This device's (or, global view, the micro-batch's) gradient, before any reduction.
+    micro_sq_norm = sq_norm(grad_values) if sums.noise else 0.0
+    if any(gather_dims) and not zero3:  # local gradients, reduce-scattered in buckets
+      grad_values = reductions.reduce_leaves(
+          grad_values, [(dims, ()) for dims in gather_dims], reductions.BUCKET_BYTES)
+    values = [grad_values, loss_total, loss_weight,
+              jax.tree.leaves(aux_values, is_leaf=is_marker), jnp.zeros((), jnp.int32)]
+    if config.skip_nonfinite:  # a non-finite micro-batch contributes nothing
+      good = all_finite((loss_total, grad_values))
+      if zero3 and axes:  # reduce-scattered gradients mix the devices' shares: all skip
+        good = lax.pmin(good.astype(jnp.int32), axes).astype(bool)
+      values, state = _drop_unless(good, values, state, old_state)
+      loss_weight = values[2]
+    if sums.noise:  # after the skip: a skipped micro-batch weighs 0
+      values.append(_noise_terms(micro_sq_norm, loss_weight, sums.rows_per_weight))
+    threaded = iter(state[1])  # a State aux is the threaded value the loop carries on
+    values[3] = [State(next(threaded)) if isinstance(m, State) else m for m in values[3]]
+    carry = (accumulator.update(sums_carry, values, index, loss_weight), state)
+    return _retyped(carry, like=init, axes=axes), sown
+
+  return body
+
+
+# Per small batch i (a micro-batch, per device in the per-device view) of loss weight w_i,
+# size b_i and gradient sum g_i (so g_i / w_i is its mean loss's gradient), summed over
+# the small batches of nonzero weight.
+NOISE_TERMS = ("|g_i / w_i|^2", "count", "1 / b_i", "b_i")
+
+
+def _noise_terms(sq_norm: jax.Array, weight: jax.Array, rows_per_weight: int) -> jax.Array:
+  """One small batch's :data:`NOISE_TERMS`, its size its weight times ``rows_per_weight``."""
+  w = weight.astype(jnp.float32)
+  taken = w != 0  # skipped and all-padding micro-batches are left out
+  safe = jnp.where(taken, w, 1)
+  size = safe * rows_per_weight
+  return jnp.where(taken, jnp.stack([sq_norm / safe**2, 1.0, 1 / size, size]), 0.0)
+
+
+def sq_norm(tree: Any) -> jax.Array:
+  """The squared norm of every leaf of ``tree`` together, in float32."""
+  return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)),
+             jnp.float32(0))
+
+
+def _summed_over(closed: jax.extend.core.ClosedJaxpr, axes: tuple[str, ...], batch: Any,
+                 presummed: bool) -> list[frozenset[str] | None]:
+  """Per output of one micro-step, the manual axes to sum it over after the loop: all,
+  but (``presummed``) those a value fed by the batch or by a collective (``psum(n)``) does
+  not vary over: the loss summed it over them. None (``presummed``): a value fed by
+  neither, the same on every device (a weight of 1), for the caller to place."""
+  if not (presummed and meshes.tracks_varying(axes)):
+    return [frozenset(axes)] * len(closed.out_avals)
+  depends = analysis_lib.depends_on(closed, jax.tree.leaves(batch), _REDUCING_COLLECTIVES)
+  return [frozenset(a for a in axes if a in meshes.varying_axes(aval)) if dep
+          else None for aval, dep in zip(closed.out_avals, depends, strict=True)]
+
+
+# Collectives whose result no longer varies over their axes: a value computed from one
+# was reduced over them by the loss.
+_REDUCING_COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin", "all_gather"})
+
+
+def _retyped(carry: Any, *, like: Any, axes: tuple[str, ...]) -> Any:
+  """``carry`` cast to vary over the manual axes each leaf of ``like`` (the loop's initial
+  carry) varies over, as ``lax.scan`` requires of its body."""
+  leaves = [meshes.vary(x, _ordered(axes, meshes.varying_axes(init)))
+            for x, init in zip(jax.tree.leaves(carry), jax.tree.leaves(like), strict=True)]
+  return jax.tree.unflatten(jax.tree.structure(carry), leaves)
+
+
+def _drop_unless(good: jax.Array, values: list[Any], state: Any,
+                 old_state: Any) -> tuple[list[Any], Any]:
+  """A micro-batch's ``[grads, total, weight, aux, skipped]`` and module state, or nothing
+  from it unless ``good``: zeros (Concat rows are kept, in place), a skip counted, and the
+  state it started from."""
+  grads, total, weight, aux, _ = values
+
+  def zero(x):
+    return jnp.where(good, x, jnp.zeros_like(x))
+
+  def keep_old(new, old):
+    if jnp.issubdtype(jnp.result_type(new), jax.dtypes.prng_key):
+      return new  # keys are not advanced by a call; their counts are
+    return jnp.where(good, new, old)
+
+  def dropped(a):  # what the skipped micro-batch adds: nothing to each accumulator
+    if isinstance(a, Concat):
+      return a
+    if isinstance(a, (Max, Min)):
+      identity = lowest if isinstance(a, Max) else highest
+      return type(a)(jnp.where(good, a.value, identity(jnp.result_type(a.value))))
+    return jax.tree.map(zero, a)
+
+  aux = [dropped(a) for a in aux]
+  values = [[zero(g) for g in grads], zero(total), zero(weight), aux,
+            (~good).astype(jnp.int32)]
+  return values, jax.tree.map(keep_old, state, old_state)
+
+
+def _ordered(axes: tuple[str, ...], subset: frozenset[str]) -> tuple[str, ...]:
+  return tuple(a for a in axes if a in subset)
+
+
+def _warn_batch_shaped(config: Config, call: Call, whole: list[Any],
+                       gather_dims: Sequence[meshes.DataDims], markers: list[Any]) -> None:
+  """Warns about plain aux leaves that hold one value per example: averaged over the
+  micro-batches, they would come back as one averaged micro-batch. A leaf only shaped
+  like that (e.g. 8 BatchNorm channels, 8 rows) is checked against the loss's jaxpr."""
+  micro = micro_batch_avals(config, call)
+  rows = jax.tree.leaves(micro)[0].shape[0]
+  if rows < 2 or not any(not is_marker(m) and m.shape[:1] == (rows,) for m in markers):
+    return
+
+  def aux_leaves(leaves, micro, state):
+    full = [reductions.gather(leaf, dims) for leaf, dims in zip(leaves, gather_dims, strict=True)]
+    return jax.tree.leaves(call.loss(config, full, micro, 0, state)[2])
+
+  try:
+    closed = jax.make_jaxpr(aux_leaves)(whole, micro, call.state)
+    kinds = analysis_lib.analyze(closed, rows=rows, batch_inputs=range(
+        len(whole), len(whole) + len(jax.tree.leaves(micro))), param_inputs=()).outputs
+  except Exception:  # noqa: BLE001 - no jaxpr to read: go by the shape
+    kinds = None
+  position = 0
+  for marker in markers:
+    kind = kinds[position] if kinds is not None else None
+    position += len(jax.tree.leaves(marker))
+    per_example = kind is None or (isinstance(kind, analysis_lib.Rows) and kind.dim == 0)
+    if not is_marker(marker) and marker.shape[:1] == (rows,) and per_example:
+      warnings.warn(
+          f"An aux output of shape {tuple(marker.shape)} holds one value per example of "
+          "the micro-batch: plain aux leaves are averaged over the micro-batches, so "
+          "per-example values would come back as one averaged micro-batch. Wrap "
+          "per-example outputs in fxaccum.Concat(...) to get them for the whole batch, "
+          "in order.", stacklevel=4)
