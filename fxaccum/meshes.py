@@ -40,7 +40,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
-    "CONVENTIONAL_DATA_AXES", "DataDims", "Layout", "conform", "find_mesh", "known_spec",
+    "CONVENTIONAL_DATA_AXES", "DataDims", "Layout", "as_data_axes", "conform", "find_mesh",
+    "known_spec", "missing_axes",
     "linen_rules_without_manual_axes", "plan", "shard_map_keeping_axes", "spec_axes",
     "spec_entry", "tracks_varying", "vary", "varying_axes",
 ]
@@ -203,6 +204,27 @@ def _manual_axes(mesh: Any) -> set[str]:
   return {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Manual}
 
 
+def as_data_axes(data_axes: Any, who: str = "data_axes") -> tuple[str, ...] | None:
+  """``data_axes`` as every entry point takes it: ``None`` (infer), one mesh axis name, or
+  a sequence of distinct names (``()``: none), normalized to a tuple."""
+  if data_axes is None:
+    return None
+  if isinstance(data_axes, str):
+    return (data_axes,)
+  if not isinstance(data_axes, (tuple, list)) or not all(isinstance(a, str) for a in data_axes):
+    raise TypeError(
+        f"{who} must be a mesh axis name or a tuple of them (or () for none), got "
+        f"{data_axes!r}.")
+  if len(set(data_axes)) != len(data_axes):
+    raise ValueError(f"{who} names an axis twice: {tuple(data_axes)}.")
+  return tuple(data_axes)
+
+
+def missing_axes(mesh: Any, axes: Sequence[str]) -> list[str]:
+  """The names in ``axes`` that ``mesh`` does not have."""
+  return [a for a in axes if a not in mesh.axis_names]
+
+
 def plan(
     diff_leaves: Sequence[Any],
     batch_leaves: Sequence[Any],
@@ -216,6 +238,7 @@ def plan(
   sharding is not visible (``Auto`` mesh axes inside ``jax.jit``).
   """
   hints = tuple(hints) or (None,) * len(diff_leaves)
+  unsharded = tuple(() for _ in diff_leaves)
   mesh = find_mesh([*batch_leaves, *diff_leaves, *other_leaves])
   if mesh is None:
     if data_axes:
@@ -223,56 +246,64 @@ def plan(
           f"data_axes={data_axes} was given but no mesh was found: call inside "
           "`with jax.set_mesh(mesh):` or pass arrays placed with a NamedSharding."
       )
-    return Layout(None, (), tuple(() for _ in diff_leaves), hints)
-
+    return Layout(None, (), unsharded, hints)
   manual = _manual_axes(mesh)
-  if data_axes is not None:
-    unknown = [a for a in data_axes if a not in mesh.axis_names]
-    if unknown:
-      raise ValueError(
-          f"data_axes names {unknown}, which the mesh does not have; its axes are "
-          f"{tuple(mesh.axis_names)}. Pass data_axes=None to infer them from the batch's "
-          "sharding, or name existing axes."
-      )
-    inside = [a for a in data_axes if a in manual]
-    if inside:
-      if len(inside) != len(data_axes):
-        raise ValueError(
-            f"data_axes {tuple(data_axes)} mixes axes that are manual here ({inside}: "
-            "fxaccum is called inside a shard_map over them) with axes that are not; name "
-            "either the manual axes the batch is split over, or none of them.")
-      return Layout(mesh, tuple(data_axes), tuple(() for _ in diff_leaves), hints,
-                    manual=True)
-    axes = tuple(data_axes)
+  if data_axes is None:
+    axes = _inferred_axes(mesh, batch_leaves, manual)
+  elif _given_axes_are_manual(mesh, data_axes, manual):
+    return Layout(mesh, tuple(data_axes), unsharded, hints, manual=True)
   else:
-    if manual and not tracks_varying(tuple(a for a in mesh.axis_names if a in manual)):
-      names = tuple(a for a in mesh.axis_names if a in manual)
-      raise ValueError(
-          f"fxaccum is called inside a shard_map that is manual over {names} with "
-          "check_vma=False (or inside jax.pmap, which is one), so no value says whether "
-          "the batch is split over those axes or what each device's loss is a part of. "
-          "Say it: data_axes=(the axes the batch is split over) makes each device's loss "
-          "its shard of one global loss (fxaccum sums totals and counts over those axes "
-          "and reduces the gradients once, after the loop), data_axes=() keeps every "
-          "device's result its own, as jax.value_and_grad there does (e.g. a pmap train "
-          "step that then takes lax.pmean of the gradients).")
-    varying = _batch_varying(batch_leaves) & manual
-    if varying:
-      names = tuple(a for a in mesh.axis_names if a in varying)
-      raise ValueError(
-          f"fxaccum is called inside a shard_map that is manual over {names}, and the batch "
-          f"is split over them. Say how the per-device losses combine: "
-          f"data_axes={names} makes each device's loss its shard of one global loss "
-          "(return this device's fxaccum.Weighted(total, count); fxaccum sums totals and "
-          "counts over those axes and reduces the gradients once, after the loop), "
-          "data_axes=() keeps every device's result its own.")
-    axes = infer_data_axes(mesh, batch_leaves, manual)
-
+    axes = tuple(data_axes)
   dims_and_problems = [_data_dims(leaf, axes, hint)
                        for leaf, hint in zip(diff_leaves, hints, strict=True)]
   blocker = next((problem for _, problem in dims_and_problems if problem), None)
   param_dims = tuple(dims for dims, _ in dims_and_problems)
   return Layout(mesh if axes else None, axes, param_dims, hints, blocker)
+
+
+def _given_axes_are_manual(mesh: Any, data_axes: tuple[str, ...], manual: set[str]) -> bool:
+  """Whether the given data axes are manual here (all of them); errors name the fix."""
+  unknown = missing_axes(mesh, data_axes)
+  if unknown:
+    raise ValueError(
+        f"data_axes names {unknown}, which the mesh does not have; its axes are "
+        f"{tuple(mesh.axis_names)}. Pass data_axes=None to infer them from the batch's "
+        "sharding, or name existing axes."
+    )
+  inside = [a for a in data_axes if a in manual]
+  if inside and len(inside) != len(data_axes):
+    raise ValueError(
+        f"data_axes {tuple(data_axes)} mixes axes that are manual here ({inside}: "
+        "fxaccum is called inside a shard_map over them) with axes that are not; name "
+        "either the manual axes the batch is split over, or none of them.")
+  return bool(inside)
+
+
+def _inferred_axes(mesh: Any, batch_leaves: Sequence[Any], manual: set[str]) -> tuple[str, ...]:
+  """The data axes read from the batch (``data_axes=None``); inside a shard_map manual
+  over axes the batch may be split over, the caller must say how losses combine."""
+  if manual and not tracks_varying(tuple(a for a in mesh.axis_names if a in manual)):
+    names = tuple(a for a in mesh.axis_names if a in manual)
+    raise ValueError(
+        f"fxaccum is called inside a shard_map that is manual over {names} with "
+        "check_vma=False (or inside jax.pmap, which is one), so no value says whether "
+        "the batch is split over those axes or what each device's loss is a part of. "
+        "Say it: data_axes=(the axes the batch is split over) makes each device's loss "
+        "its shard of one global loss (fxaccum sums totals and counts over those axes "
+        "and reduces the gradients once, after the loop), data_axes=() keeps every "
+        "device's result its own, as jax.value_and_grad there does (e.g. a pmap train "
+        "step that then takes lax.pmean of the gradients).")
+  varying = _batch_varying(batch_leaves) & manual
+  if varying:
+    names = tuple(a for a in mesh.axis_names if a in varying)
+    raise ValueError(
+        f"fxaccum is called inside a shard_map that is manual over {names}, and the batch "
+        f"is split over them. Say how the per-device losses combine: "
+        f"data_axes={names} makes each device's loss its shard of one global loss "
+        "(return this device's fxaccum.Weighted(total, count); fxaccum sums totals and "
+        "counts over those axes and reduces the gradients once, after the loop), "
+        "data_axes=() keeps every device's result its own.")
+  return infer_data_axes(mesh, batch_leaves, manual)
 
 
 def param_hints(diff: Sequence[Any], param_shardings: Sequence[Any] | None) -> tuple[

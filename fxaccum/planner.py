@@ -196,8 +196,11 @@ def plan_micro_batches(
     >>> tight.step(jnp.ones((16, 256)), jnp.ones((512, 16))).shape
     (16, 256)
   """
-  argnums = _batch_argnums(batch_argnums, len(example_args))
-  rows = _rows_per_device([example_args[i] for i in argnums], argnums)
+  argnums = split.as_argnums(batch_argnums, "plan_micro_batches: batch_argnums",
+                             count=len(example_args))
+  if not argnums:
+    raise ValueError("plan_micro_batches: batch_argnums is empty; name the batch argument(s).")
+  rows = split.rows_per_device([example_args[i] for i in argnums], argnums)
   ks = _candidates(candidates, rows)
   if budget_bytes is None:
     budget = _default_budget(example_args)
@@ -263,53 +266,6 @@ def _compile(make_step: Callable[[int], Any], k: int, example_args: Sequence[Any
   peak = memory.peak_bytes
   return PlanRow(micro_batches=k, peak_bytes=peak, temp_bytes=memory.temp_bytes,
                  compile_seconds=seconds, fits=peak <= budget), compiled
-
-
-def _batch_argnums(batch_argnums: int | Sequence[int], count: int) -> tuple[int, ...]:
-  """``batch_argnums`` as a tuple of indices into the ``count`` example arguments."""
-  argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
-  if not argnums:
-    raise ValueError("plan_micro_batches: batch_argnums is empty; name the batch argument(s).")
-  out = []
-  for i in argnums:
-    if isinstance(i, bool) or not isinstance(i, int):
-      raise TypeError(f"plan_micro_batches: batch_argnums must be ints, got {i!r}.")
-    if not -count <= i < count:
-      raise ValueError(
-          f"plan_micro_batches: batch_argnums={batch_argnums!r} names argument {i}, but "
-          f"{count} example argument(s) were given.")
-    out.append(i % count)
-  return tuple(out)
-
-
-def _rows_per_device(batch: Sequence[Any], argnums: Sequence[int]) -> int:
-  """The rows of the batch's leading dimension each device holds.
-
-  Each leaf's leading dimension divided by the devices it is sharded over, read from its
-  sharding (``jax.Array`` or ``jax.ShapeDtypeStruct``; none: one device). All leaves must
-  agree.
-  """
-  found: dict[int, str] = {}
-  for i, arg in zip(argnums, batch, strict=True):
-    for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-      name = f"argument {i}{jax.tree_util.keystr(path)}"
-      shape = tuple(getattr(leaf, "shape", ()))
-      if not shape:
-        raise ValueError(
-            f"plan_micro_batches: the batch leaf {name} has no leading dimension (shape "
-            f"{shape}): batch_argnums (the step's argument(s) holding the batch, "
-            f"{tuple(argnums)} here) must name the batch, e.g. batch_argnums=2 for a step "
-            "(params, opt_state, batch).")
-      sharding = getattr(leaf, "sharding", None)
-      rows = shape[0] if sharding is None else int(sharding.shard_shape(shape)[0])
-      found.setdefault(rows, name)
-  if not found:
-    raise ValueError("plan_micro_batches: the batch argument(s) (batch_argnums) hold no arrays.")
-  if len(found) > 1:
-    raise ValueError(
-        "plan_micro_batches: the batch leaves hold different numbers of rows per device: "
-        + ", ".join(f"{name}: {rows}" for rows, name in found.items()))
-  return next(iter(found))
 
 
 def _candidates(candidates: Iterable[int] | None, rows: int) -> tuple[int, ...]:

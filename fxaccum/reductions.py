@@ -1,5 +1,12 @@
 """Data-axis reductions of local gradient sums: per leaf, in buckets, and deferred.
 
+Every data-axis reduction fxaccum issues is written here: the in-step loop's one reduction
+after the loop (:func:`reduce`, :func:`reduce_leaves`), the pipeline's stage gradients
+(:func:`reduce_leaves`), and deferred sync's per-device slots (:class:`Unreduced`): filled
+by the in-step global view (:func:`in_first_slot`), summed by the cross-step gate
+(:func:`sum_deferred`) and by checkpoints (:func:`sum_slots`). It may import
+:mod:`fxaccum.meshes` only.
+
 Inside a region manual over the data axes, each gradient leaf is reduced over those axes:
 reduce-scattered over the axes its param is sharded over (FSDP), all-reduced over the rest.
 Issued leaf by leaf that is one collective — one rendezvous — per leaf, and XLA:CPU combines
@@ -21,10 +28,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
+from fxaccum import meshes
 from fxaccum.meshes import DataDims
 
-__all__ = ["BUCKET_BYTES", "Plan", "Unreduced", "gather", "reduce", "reduce_leaves"]
+__all__ = [
+    "BUCKET_BYTES", "Plan", "Unreduced", "gather", "in_first_slot", "reduce", "reduce_leaves",
+    "sum_deferred", "sum_slots",
+]
 
 #: Default bucket size, measured on 8 simulated CPU devices (docs/performance.md): 2 MiB
 #: buckets beat one collective per leaf (a rendezvous each), larger buckets (more full-size
@@ -154,3 +166,32 @@ def reduce(x: jax.Array, data_axes: tuple[str, ...], dims: DataDims = ()) -> jax
     done |= set(axes)
   rest = tuple(a for a in data_axes if a not in done)
   return lax.psum(x, rest) if rest else x
+
+
+def sum_slots(tree: Any) -> Any:
+  """Deferred sync's per-device slots (each leaf's leading axis) summed."""
+  return jax.tree.map(lambda a: jnp.sum(a, axis=0), tree)
+
+
+def sum_deferred(tree: Any, data_axes: tuple[str, ...]) -> Any:
+  """The one reduction of deferred sync: the slots summed, and, inside the caller's
+  ``shard_map`` over data axes (where each device holds its own slot), over those."""
+  total = sum_slots(tree)
+  manual = tuple(a for a in data_axes if a in meshes.manual_axes())
+  return lax.psum(total, manual) if manual else total
+
+
+def in_first_slot(tree: Any, data_axes: tuple[str, ...], mesh: Any) -> Any:
+  """A tree replicated over ``data_axes`` in deferred sync's per-device form: a leading
+  slot axis sharded over them, the whole value in the first device's slot, zeros in the
+  others (exact, and no communication)."""
+  if not data_axes:
+    return jax.tree.map(lambda x: x[None], tree)
+
+  def first_device_slot(x):
+    return jnp.where(lax.axis_index(data_axes) == 0, x, jnp.zeros_like(x))[None]
+
+  slots = meshes.shard_map_keeping_axes(
+      lambda t: jax.tree.map(first_device_slot, t), mesh=mesh, in_specs=P(),
+      out_specs=P(data_axes), axis_names=set(data_axes))
+  return slots(tree)

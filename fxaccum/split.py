@@ -17,7 +17,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["MicroBatchSize", "check_micro_batches", "leading_size", "micro_batch", "fold"]
+__all__ = [
+    "MicroBatchSize", "as_argnums", "check_micro_batches", "fold", "leading_size",
+    "micro_batch", "put", "rows_per_device", "stacked", "take", "unstacked",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +122,39 @@ def leading_size(batch: Any, micro_batches: int, devices: int = 1) -> int:
 def micro_batch(batch: Any, index: jax.Array | int, micro_batches: int) -> Any:
   """Micro-batch ``index`` of ``batch``: rows ``index::micro_batches`` of every leaf."""
 
-  def take(leaf):
+  def leaf_micro_batch(leaf):
     leaf = jnp.asarray(leaf)
     if micro_batches == 1:  # the whole batch, as jax.value_and_grad would see it
       return leaf
-    rows = leaf.reshape(leaf.shape[0] // micro_batches, micro_batches, *leaf.shape[1:])
-    return lax.dynamic_index_in_dim(rows, index, axis=1, keepdims=False)
+    return take(leaf, index, micro_batches)
 
-  return jax.tree.map(take, batch)
+  return jax.tree.map(leaf_micro_batch, batch)
+
+
+def take(leaf: jax.Array, m: Any, k: int) -> jax.Array:
+  """Micro-batch ``m`` of one leaf, rows ``m::k``, read without a ``k``-sized copy (the
+  leaf viewed as ``(rows / k, k, ...)``)."""
+  view = leaf.reshape(leaf.shape[0] // k, k, *leaf.shape[1:])
+  return lax.dynamic_index_in_dim(view, m, axis=1, keepdims=False)
+
+
+def put(leaf: jax.Array, m: Any, k: int, value: jax.Array, keep: Any) -> jax.Array:
+  """``leaf`` with micro-batch ``m`` (rows ``m::k``) replaced by ``value`` where
+  ``keep``, written in place: the inverse of :func:`take`."""
+  view = leaf.reshape(leaf.shape[0] // k, k, *leaf.shape[1:])
+  value = jnp.where(keep, value, take(leaf, m, k))
+  return lax.dynamic_update_index_in_dim(view, value, m, axis=1).reshape(leaf.shape)
+
+
+def stacked(leaf: jax.Array, k: int) -> jax.Array:
+  """``(n, ...) -> (k, n / k, ...)``: entry ``i`` is micro-batch ``i``, rows ``i::k``."""
+  return leaf.reshape(leaf.shape[0] // k, k, *leaf.shape[1:]).swapaxes(0, 1)
+
+
+def unstacked(leaf: jax.Array) -> jax.Array:
+  """``(k, n / k, ...) -> (n, ...)``: the micro-batches back in their rows; the inverse
+  of :func:`stacked`."""
+  return leaf.swapaxes(0, 1).reshape(leaf.shape[0] * leaf.shape[1], *leaf.shape[2:])
 
 
 def fold(keys: Any, index: jax.Array) -> Any:
@@ -145,12 +173,49 @@ def fold(keys: Any, index: jax.Array) -> Any:
   return jax.tree.map(fold_leaf, keys)
 
 
-def as_argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
-  """Normalizes an ``argnums``-style int or sequence of ints to a tuple."""
+def as_argnums(value: int | Sequence[int], name: str, count: int | None = None
+               ) -> tuple[int, ...]:
+  """Normalizes an ``argnums``-style int or sequence of ints to a tuple; with ``count``
+  (the number of arguments) negative entries count from the end, as in Python."""
   values = (value,) if isinstance(value, int) else tuple(value)
   for v in values:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+    if not isinstance(v, int) or isinstance(v, bool) or (v < 0 and count is None):
       raise TypeError(f"{name} must be a non-negative int or a tuple of them, got {value!r}.")
+    if count is not None and not -count <= v < count:
+      raise ValueError(
+          f"{name}={value!r} names argument {v}, but {count} argument(s) were given.")
+  if count is not None:
+    values = tuple(v % count for v in values)
   if len(set(values)) != len(values):
     raise ValueError(f"{name} has repeated entries: {value!r}.")
   return values
+
+
+def rows_per_device(batch: Sequence[Any], argnums: Sequence[int]) -> int:
+  """The rows of the batch's leading dimension each device holds.
+
+  Each leaf's leading dimension divided by the devices it is sharded over, read from its
+  sharding (``jax.Array`` or ``jax.ShapeDtypeStruct``; none: one device). All leaves must
+  agree.
+  """
+  found: dict[int, str] = {}
+  for i, arg in zip(argnums, batch, strict=True):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+      name = f"argument {i}{jax.tree_util.keystr(path)}"
+      shape = tuple(getattr(leaf, "shape", ()))
+      if not shape:
+        raise ValueError(
+            f"The batch leaf {name} has no leading dimension (shape {shape}): "
+            f"batch_argnums (the step's argument(s) holding the batch, {tuple(argnums)} "
+            "here) must name the batch, e.g. batch_argnums=2 for a step "
+            "(params, opt_state, batch).")
+      sharding = getattr(leaf, "sharding", None)
+      rows = shape[0] if sharding is None else int(sharding.shard_shape(shape)[0])
+      found.setdefault(rows, name)
+  if not found:
+    raise ValueError("The batch argument(s) (batch_argnums) hold no arrays.")
+  if len(found) > 1:
+    raise ValueError(
+        "The batch leaves hold different numbers of rows per device: "
+        + ", ".join(f"{name}: {rows}" for rows, name in found.items()))
+  return next(iter(found))

@@ -90,6 +90,75 @@ def test_micro_batch_i_is_rows_i_mod_k():
     np.testing.assert_array_equal(part["y"], batch["y"][i::3])
 
 
+def test_split_both_ways_is_rows_i_mod_k():
+  leaf = jnp.arange(24.0).reshape(12, 2)
+  stacked = split.stacked(leaf, 3)
+  for i in range(3):  # the pipeline's stacked form and the in-step take agree with i::k
+    np.testing.assert_array_equal(stacked[i], np.asarray(leaf)[i::3])
+    np.testing.assert_array_equal(split.take(leaf, jnp.int32(i), 3), np.asarray(leaf)[i::3])
+  np.testing.assert_array_equal(split.unstacked(stacked), leaf)
+  value = -jnp.ones((4, 2))
+  written = np.asarray(leaf).copy()
+  written[1::3] = -1
+  np.testing.assert_array_equal(split.put(leaf, jnp.int32(1), 3, value, True), written)
+  np.testing.assert_array_equal(split.put(leaf, jnp.int32(1), 3, value, False), leaf)
+
+
+def test_as_argnums_counts_negative_entries_from_the_end_only_given_a_count():
+  assert split.as_argnums((0, -1), "batch_argnums", count=3) == (0, 2)
+  with pytest.raises(TypeError, match="non-negative int"):
+    split.as_argnums(-1, "batch_argnums")
+  with pytest.raises(ValueError, match="names argument 3, but 3 argument"):
+    split.as_argnums(3, "batch_argnums", count=3)
+  with pytest.raises(ValueError, match="repeated entries"):
+    split.as_argnums((2, -1), "batch_argnums", count=3)
+
+
+def test_rows_per_device_reads_the_shard_shape():
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  batch = {"x": _placed(mesh, P("data")), "y": jax.ShapeDtypeStruct(
+      (16,), jnp.int32, sharding=NamedSharding(mesh, P("data")))}
+  assert split.rows_per_device([batch], (1,)) == 4
+  with pytest.raises(ValueError, match=r"different numbers of rows per device: argument "
+                     r"1\['x'\]: 4, argument 1\['z'\]: 16"):
+    split.rows_per_device([{"x": batch["x"], "z": np.ones(16)}], (1,))
+
+
+@pytest.mark.parametrize("data_axes, expected", [
+    (None, None), ("data", ("data",)), (["data", "model"], ("data", "model")), ((), ()),
+    (5, TypeError), (("data", 1), TypeError), (("data", "data"), ValueError),
+])
+def test_as_data_axes_is_every_entry_points_spelling(data_axes, expected):
+  if isinstance(expected, type):
+    with pytest.raises(expected, match="data_axes"):
+      meshes.as_data_axes(data_axes)
+  else:
+    assert meshes.as_data_axes(data_axes) == expected
+
+
+@pytest.mark.parametrize("entry", ["accumulate", "pipeline"])
+def test_cross_step_and_pipeline_refuse_data_axes_as_value_and_grad_does(entry):
+  import fxaccum
+  call = {"accumulate": lambda: fxaccum.accumulate(2, data_axes=("data", "data")),
+          "pipeline": lambda: fxaccum.pipeline(lambda w, h: h, jnp.ones((2, 1)),
+                                               jnp.ones((4, 1)), micro_batches=2,
+                                               data_axes=("data", "data"))}[entry]
+  with jax.set_mesh(jax.make_mesh((4, 2), ("data", "stage"))):
+    with pytest.raises(ValueError, match=r"data_axes names an axis twice"):
+      call()
+
+
+def test_deferred_slots_sum_to_the_whole():
+  mesh = jax.make_mesh((8,), ("data",))
+  value = {"w": jnp.arange(3.0)}
+  slots = jax.jit(lambda t: reductions.in_first_slot(t, ("data",), mesh))(value)
+  assert slots["w"].shape == (8, 3) and slots["w"].sharding.spec[0] == "data"
+  local = np.asarray(slots["w"])
+  np.testing.assert_array_equal(local[0], value["w"])
+  np.testing.assert_array_equal(local[1:], 0)  # negative control: not a broadcast
+  np.testing.assert_array_equal(reductions.sum_slots(slots)["w"], value["w"])
+
+
 @pytest.mark.parametrize("batch,k,devices,match", [
     ({"x": np.ones((6, 2)), "y": np.ones(4)}, 2, 1, "different leading sizes"),
     ({"x": np.ones(6)}, 4, 1, "not divisible by micro_batches=4"),

@@ -174,8 +174,7 @@ def accumulate(
   accum_dtype = jnp.dtype(accum_dtype)
   if not jnp.issubdtype(accum_dtype, jnp.floating):
     raise TypeError(f"accum_dtype must be a float dtype, got {accum_dtype}.")
-  axes = () if data_axes is None else ((data_axes,) if isinstance(data_axes, str)
-                                      else tuple(data_axes))
+  axes = meshes.as_data_axes(data_axes, "accumulate's data_axes") or ()
   config = _Config(every_k, accum_dtype, bool(skip_nonfinite), axes)
 
   def init_fn(params):
@@ -225,7 +224,7 @@ def _data_mesh(params: Any, axes: tuple[str, ...]) -> Any:
         "call tx.init inside `with jax.set_mesh(mesh):` (required under jax.jit), or "
         "eagerly on params placed with a NamedSharding."
     )
-  missing = [a for a in axes if a not in mesh.axis_names]
+  missing = meshes.missing_axes(mesh, axes)
   if missing:
     raise ValueError(
         f"accumulate(data_axes={axes}): the mesh has no axes {missing}; its axes are "
@@ -375,12 +374,7 @@ def gate(
     params, opt_state, state = operands
     total, weight = state.accumulator, state.weight
     if config.data_axes:  # the one all-reduce of deferred sync, inside this branch
-      total = jax.tree.map(lambda a: jnp.sum(a, axis=0), total)
-      weight = jnp.sum(weight)
-      # Inside the caller's shard_map over data axes each device holds its own slot.
-      manual = tuple(a for a in config.data_axes if a in meshes.manual_axes())
-      if manual:
-        total, weight = lax.psum((total, weight), manual)
+      total, weight = reductions.sum_deferred((total, weight), config.data_axes)
     mean = jax.tree.map(lambda t, d: t.astype(d), safe_divide(total, weight), grad_dtypes)
     reset = state._replace(
         micro_step=jnp.zeros_like(state.micro_step),

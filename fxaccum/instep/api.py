@@ -395,7 +395,7 @@ def _make_config(fun, argnums, has_aux, *, micro_batches=None, batch_argnums=1,
       micro_batch_size=micro_batch_size, diff_argnums=diff_argnums,
       single_argnum=single_argnum, filters=filters, batch_argnums=batch_argnums_t,
       rng_argnums=rng_argnums_t, state_argnums=state_argnums_t,
-      data_axes=None if data_axes is None else _as_axes(data_axes),
+      data_axes=meshes.as_data_axes(data_axes),
       param_shardings=param_shardings, accum_dtype=accum_dtype, fsdp=fsdp,
       reduce=reduce, view=view, skip_nonfinite=bool(skip_nonfinite))
 
@@ -424,14 +424,7 @@ def _check_roles(diff: tuple[int, ...], batch: tuple[int, ...], rng: tuple[int, 
 
 def _call(config: Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> Any:
   """One call of the function ``value_and_grad`` returned."""
-  highest = max((*config.diff_argnums, *config.batch_argnums, *config.rng_argnums,
-                 *config.state_argnums))
-  if highest >= len(args):
-    raise TypeError(
-        f"{getattr(config.fun, '__name__', 'fun')} was called with {len(args)} positional "
-        f"arguments, but argnums/batch_argnums/rng_argnums/state_argnums refer to argument "
-        f"{highest}. Pass the params and the batch positionally."
-    )
+  _check_arity(config, args)
   module_args = args
   _check_graph_nodes(args, config)
   nnx_lib = _nnx_loaded()
@@ -485,6 +478,17 @@ def _call(config: Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> 
   if modules is not None:  # as nnx.value_and_grad does: the modules' state, in place
     modules.update(module_args, state[0], sown, new_sown)
   return out
+
+
+def _check_arity(config: Config, args: Sequence[Any]) -> None:
+  highest = max((*config.diff_argnums, *config.batch_argnums, *config.rng_argnums,
+                 *config.state_argnums))
+  if highest >= len(args):
+    raise TypeError(
+        f"{getattr(config.fun, '__name__', 'fun')} was called with {len(args)} positional "
+        f"arguments, but argnums/batch_argnums/rng_argnums/state_argnums refer to argument "
+        f"{highest}. Pass the params and the batch positionally."
+    )
 
 
 def _nnx_loaded() -> Any:
@@ -541,18 +545,6 @@ def _check_kwargs(kwargs: dict, rows: int, config: Config) -> None:
           "axis 0, but keyword arguments are passed to every micro-batch whole, not split. "
           "Pass batch data positionally and list its position in batch_argnums (now "
           f"{config.batch_argnums}).")
-
-
-def _as_axes(data_axes: str | Sequence[str]) -> tuple[str, ...]:
-  if isinstance(data_axes, str):
-    return (data_axes,)
-  if not isinstance(data_axes, (tuple, list)) or not all(isinstance(a, str) for a in data_axes):
-    raise TypeError(
-        f"data_axes must be a mesh axis name or a tuple of them (or () for none), got "
-        f"{data_axes!r}.")
-  if len(set(data_axes)) != len(data_axes):
-    raise ValueError(f"data_axes names an axis twice: {tuple(data_axes)}.")
-  return tuple(data_axes)
 
 
 def _is_traced(*trees: Any) -> bool:

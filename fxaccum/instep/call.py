@@ -13,18 +13,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType
 
-from fxaccum import meshes, split
+from fxaccum import markers, meshes, split
 from fxaccum.instep import fsdp as fsdp_lib
 from fxaccum.instep import paths
-from fxaccum.markers import (
-  Concat,
-  Max,
-  Min,
-  State,
-  Sum,
-  Weighted,
-  weight_dtype,
-)
+from fxaccum.markers import weight_dtype
 from fxaccum.statistics import Statistics
 
 if TYPE_CHECKING:
@@ -113,7 +105,7 @@ class Call:
 def _threaded(aux: Any, threaded: tuple[Any, ...], config: Config) -> tuple[Any, ...]:
   """The new values of the arguments at ``state_argnums``: the ``State`` markers of
   ``aux``, in order, each like the value it replaces (``threaded``)."""
-  states = [m for m in jax.tree.leaves(aux, is_leaf=is_marker) if isinstance(m, State)]
+  states = [m for m in jax.tree.leaves(aux, is_leaf=is_marker) if isinstance(m, markers.State)]
   if len(states) != len(config.state_argnums):
     raise TypeError(
         f"state_argnums={config.state_argnums} threads {len(config.state_argnums)} "
@@ -142,7 +134,7 @@ def _summary(tree: Any) -> str:
 def _split_output(out: Any, has_aux: bool) -> tuple[Any, Any]:
   """``fun``'s output as ``(loss, aux)``, raising on a ``has_aux`` mismatch."""
   if has_aux:
-    if isinstance(out, Weighted) or not (isinstance(out, (tuple, list)) and len(out) == 2):
+    if isinstance(out, markers.Weighted) or not (isinstance(out, (tuple, list)) and len(out) == 2):
       raise TypeError(
           "has_aux=True, so the loss function must return a pair (loss, aux), but it "
           f"returned {type(out).__name__}. Return (loss, aux) or set has_aux=False."
@@ -164,7 +156,7 @@ LossKind = Literal["mean", "weighted", "sum"]
 def _total_and_weight(loss: Any) -> tuple[jax.Array, jax.Array, LossKind]:
   """A micro-batch's ``(total, weight, kind)``: a mean or a ``Sum`` counts as its total with
   weight 1 (a ``Sum``'s totals are then added up, not divided by their weights)."""
-  if isinstance(loss, Weighted):
+  if isinstance(loss, markers.Weighted):
     total, weight = jnp.asarray(loss.total), jnp.asarray(loss.weight)
     if total.shape or weight.shape:
       raise TypeError(
@@ -172,8 +164,8 @@ def _total_and_weight(loss: Any) -> tuple[jax.Array, jax.Array, LossKind]:
           f"{weight.shape}. Sum over the items: Weighted(jnp.sum(mask * l), jnp.sum(mask))."
       )
     return total, lax.stop_gradient(weight).astype(weight_dtype(weight)), "weighted"
-  kind: LossKind = "sum" if isinstance(loss, Sum) else "mean"
-  value = jnp.asarray(loss.value if isinstance(loss, Sum) else loss)
+  kind: LossKind = "sum" if isinstance(loss, markers.Sum) else "mean"
+  value = jnp.asarray(loss.value if isinstance(loss, markers.Sum) else loss)
   if value.shape or not jnp.issubdtype(value.dtype, jnp.floating):
     raise TypeError(
         f"The loss function must return a float scalar (the mean over its micro-batch), "
@@ -207,4 +199,5 @@ def micro_loss(config: Config, call: Call) -> Callable[..., Any]:
 
 
 def is_marker(x: Any) -> bool:
-  return isinstance(x, (Weighted, Sum, Max, Min, Concat, State, Statistics))
+  return isinstance(x, (markers.Weighted, markers.Sum, markers.Max, markers.Min,
+                        markers.Concat, markers.State, Statistics))

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fxaccum import analysis as analysis_lib
-from fxaccum import meshes, reductions, split
+from fxaccum import markers, meshes, reductions, split
 from fxaccum.analysis import symbolic
 from fxaccum.instep import accumulators as acc
 from fxaccum.instep import fsdp as fsdp_lib
@@ -38,15 +38,7 @@ from fxaccum.instep.call import (
   micro_loss,
 )
 from fxaccum.instep.loop import loop, sq_norm
-from fxaccum.markers import (
-  Concat,
-  Max,
-  Min,
-  State,
-  Sum,
-  Weighted,
-  safe_divide,
-)
+from fxaccum.markers import safe_divide
 from fxaccum.statistics import NoiseScale, Statistics, unavailable_noise_scale
 
 if TYPE_CHECKING:
@@ -225,6 +217,18 @@ class _NoDeviceTrace(Exception):
   """The micro-step does not trace on one device's rows (the message says why)."""
 
 
+def _traced_for_every_size(step: Any, *args: Any) -> Any:
+  """``make_jaxpr`` of ``step`` on arguments with a symbolic number of rows, or None
+  where that is not the program every number of rows runs."""
+  try:
+    with symbolic.undecided_uses() as undecided:
+      traced = jax.make_jaxpr(step, return_shape=True)(*args)
+  except Exception:  # noqa: BLE001 - not traceable for any number of rows: pair two
+    return None
+  # Undecided: e.g. `if x.shape[0] == 2`, `if n % 2`: not the program on 2 rows.
+  return None if undecided else traced
+
+
 def _analyses(config: Config, layout: meshes.Layout, call: Call, paired: bool):
   """:func:`fxaccum.analysis.analyze` of one micro-step (the loss, its aux and state, and
   its gradients), with each output's role, the traced aux and the micro-step's jaxpr:
@@ -277,15 +281,8 @@ def _analyses(config: Config, layout: meshes.Layout, call: Call, paired: bool):
 
   if paired:
     (symbol,) = jax.export.symbolic_shape("rows")
-    traced: Any
-    try:
-      with symbolic.undecided_uses() as undecided:
-        traced = jax.make_jaxpr(step, return_shape=True)(
-            per_device(leaves), per_device(micro, symbol), per_device(call.state))
-      if undecided:  # e.g. `if x.shape[0] == 2`, `if n % 2`: not the program on 2 rows
-        traced = None
-    except Exception:  # noqa: BLE001 - not traceable for any number of rows: pair two
-      traced = None
+    traced = _traced_for_every_size(
+        step, per_device(leaves), per_device(micro, symbol), per_device(call.state))
     if traced is not None:
       result = analysis(traced, symbol)
       yield result
@@ -314,11 +311,12 @@ def _roles(closed: Any, aux: Any, state: Any, sown: Any, n_diff: int,
   """The role of each output of a traced micro-step (see :func:`_analyses`)."""
   roles: list[paths.Role] = ["total", "weight"]
   for marker in jax.tree.leaves(aux, is_leaf=is_marker):
-    if isinstance(marker, Weighted):
+    if isinstance(marker, markers.Weighted):
       roles.extend(["aux_total", "aux_weight"])
       continue
-    by_marker: dict[type, paths.Role] = {Sum: "aux_sum", Concat: "aux_concat",
-                                         Max: "aux_max", Min: "aux_min", State: "state"}
+    by_marker: dict[type, paths.Role] = {
+        markers.Sum: "aux_sum", markers.Concat: "aux_concat", markers.Max: "aux_max",
+        markers.Min: "aux_min", markers.State: "state"}
     role = by_marker.get(type(marker), "aux")
     roles.extend([role] * len(jax.tree.leaves(marker)))
   # Threaded module state must pass through unchanged for the per-device view.
@@ -421,7 +419,7 @@ def _device(config: Config, layout: meshes.Layout, path: paths.Path, call: Call,
 def _aux_specs(aux: Any, batch_spec: P) -> Any:
   """The region's out_specs of the aux: Concat rows stay with their device, like the batch;
   everything else is reduced (invariant)."""
-  return jax.tree.map(lambda m: batch_spec if isinstance(m, Concat) else P(), aux,
+  return jax.tree.map(lambda m: batch_spec if isinstance(m, markers.Concat) else P(), aux,
                       is_leaf=is_marker)
 
 
@@ -629,18 +627,8 @@ def _named(spec: Any) -> set[str]:
 
 
 def _as_unreduced(config: Config, layout: meshes.Layout, call: Call, sums, weight):
-  """Global-view sums in the per-device form ``Unreduced`` gives them: the whole sum in
-  the first device's slot, zeros in the others (exact; the reduction already ran)."""
-  axes = layout.data_axes
-  if not axes:
-    return reductions.Unreduced(_unflatten_grads(config, call, [s[None] for s in sums]),
-                          weight.astype(jnp.float32)[None])
-
-  def first_device_slot(x):  # x is replicated over the data axes: no communication
-    return jnp.where(lax.axis_index(axes) == 0, x, jnp.zeros_like(x))[None]
-
-  slots = meshes.shard_map_keeping_axes(
-      lambda tree: jax.tree.map(first_device_slot, tree), mesh=layout.mesh,
-      in_specs=P(), out_specs=P(axes), axis_names=set(axes))
-  sums, weight = slots((sums, weight.astype(jnp.float32)))
+  """Global-view sums in the per-device form ``Unreduced`` gives them (the reduction
+  already ran)."""
+  sums, weight = reductions.in_first_slot((sums, weight.astype(jnp.float32)),
+                                          layout.data_axes, layout.mesh)
   return reductions.Unreduced(_unflatten_grads(config, call, sums), weight)

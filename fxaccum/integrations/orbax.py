@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from fxaccum import meshes
+from fxaccum import meshes, reductions
 from fxaccum.crossstep import accumulation
 from fxaccum.integrations import train_states
 
@@ -139,9 +139,7 @@ def _canonical(tree: Any, meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
   return canonical, raw
 
 
-@jax.jit
-def _sum_devices(per_device: dict[str, Any]) -> dict[str, Any]:
-  return jax.tree.map(lambda a: jnp.sum(a, axis=0), per_device)
+_sum_devices = jax.jit(reductions.sum_slots)
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, *, model: Any = None,

@@ -17,7 +17,9 @@ backward loop, once per iteration.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -123,18 +125,8 @@ def pipeline(
   k = split.check_micro_batches(micro_batches)
   repeats = _check_schedule(schedule, repeats, k)
   mesh, stages, axes = _layout(stage_params, x, stage_axis, data_axes)
-  if schedule == "circular" and repeats > 1 and k < stages:
-    raise ValueError(
-        f"schedule='circular' needs micro_batches >= the {stages} stages (got "
-        f"{k}): a micro-batch leaving the last stage waits at stage 0 until its next round; "
-        f"use micro_batches={stages} or more, or repeats=1.")
-  leading = (repeats, stages) if schedule == "circular" else (stages,)
-  _check_params(stage_params, leading, stage_axis)
-  _check_closure(stage_fn, stage_params, x, len(leading), k)
-  devices = 1
-  for axis in axes:
-    devices *= mesh.shape[axis]
-  split.leading_size(x, k, devices)
+  leading = _checked_inputs(stage_fn, stage_params, x, k, schedule, repeats, stages,
+                            stage_axis, math.prod(mesh.shape[a] for a in axes))
   # GPipe streams x in and the outputs out over the stages (each holds 1/S of them) where
   # every stage can hold whole micro-batches: k a multiple of S. 1F1B, whose backward
   # reads x in place, streams only an x known to be sharded over the stages: x replicated
@@ -309,7 +301,7 @@ def _scheduled(stage_fn: Callable, remat: bool, k: int, stages: int, repeats: in
                                     params), axes)
     x = meshes.vary(x, (stage_axis,))
     stage = lax.axis_index(stage_axis)
-    inputs = jax.tree.map(_to_micro_batches(k), x)
+    inputs = jax.tree.map(lambda leaf: split.stacked(leaf, k), x)
     outputs = jax.tree.map(jnp.zeros_like, inputs)
     # Idle iterations run the stages on real activations (micro-batch 0 and what the
     # stages make of it), never zeros: their results are dropped, but a stage whose
@@ -346,7 +338,7 @@ def _scheduled(stage_fn: Callable, remat: bool, k: int, stages: int, repeats: in
                                   jnp.arange(k * repeats + last))
     # Only the last stage holds the outputs: the sum over stages hands them to every stage.
     outputs = lax.psum(outputs, stage_axis)
-    return jax.tree.map(_from_micro_batches, outputs)
+    return jax.tree.map(split.unstacked, outputs)
 
   return body
 
@@ -476,77 +468,106 @@ def _one_f_one_b(stage_fn: Callable, k: int, stages: int, stage_axis: str,
   travel left to stage 0, cotangents right to the last stage, ``x``'s gradients right from
   stage 0 to the stage holding their rows (``S - 1`` more iterations for the last ones).
   """
-  last = stages - 1
-  slots = 2 * stages - 1
-  right = [(s, s + 1) for s in range(last)]
-  left = [(s + 1, s) for s in range(last)]
-  rows = _MicroBatchRows(k)  # micro-batch m: rows m::k, read and written in place
-  shares = _Shares(k, stages)  # streamed: each stage's share of them
+  return _OneFOneB(stage_fn, k, stages, stage_axis, axes, streamed)
 
-  def body(params, x, dy):
+
+@dataclasses.dataclass(frozen=True)
+class _OneFOneB:
+  """The 1F1B backward pass (see :func:`_one_f_one_b`), called as the per-device body."""
+
+  stage_fn: Callable
+  k: int
+  stages: int
+  stage_axis: str
+  axes: tuple[str, ...]
+  streamed: bool
+
+  @property
+  def slots(self) -> int:  # the ring of stage inputs
+    return 2 * self.stages - 1
+
+  @property
+  def shares(self) -> _Shares:  # streamed: each stage's share of x, dy and dx
+    return _Shares(self.k, self.stages)
+
+  def __call__(self, params: Any, x: Any, dy: Any) -> tuple[Any, Any]:
+    k, stages = self.k, self.stages
     # Varying over the data axes: each vjp returns this device's partial gradient.
-    params = meshes.vary(jax.tree.map(lambda leaf: leaf[0], params), axes)
-    x, dy = meshes.vary((x, dy), (stage_axis,))
-    stage = lax.axis_index(stage_axis)
-    first = shares.first(x) if streamed else jax.tree.map(lambda a: rows.get(a, 0), x)
-    stash = jax.tree.map(lambda a: jnp.broadcast_to(a, (slots, *a.shape)), first)
+    params = meshes.vary(jax.tree.map(lambda leaf: leaf[0], params), self.axes)
+    x, dy = meshes.vary((x, dy), (self.stage_axis,))
+    stage = lax.axis_index(self.stage_axis)
+    first = (self.shares.first(x) if self.streamed
+             else jax.tree.map(lambda a: split.take(a, 0, k), x))
+    stash = jax.tree.map(lambda a: jnp.broadcast_to(a, (self.slots, *a.shape)), first)
     grads = jax.tree.map(jnp.zeros_like, params)
     dx = jax.tree.map(jnp.zeros_like, x)
-
-    def iteration(carry, t, compute=True):
-      received, returned, arriving, owed, leaving, stash, grads, dx = carry
-      if compute:
-        f = t - stage
-        mf = jnp.clip(f, 0, k - 1)
-        if streamed:
-          arriving = shares.take(x, arriving, t + stage, stage, edge=stage == last)
-          fresh = arriving
-        else:
-          fresh = jax.tree.map(lambda a: rows.get(a, mf), x)
-        h = jax.tree.map(lambda a, r: jnp.where(stage == 0, a, r), fresh, received)
-        stash = jax.tree.map(lambda w, v: _put(w, mf % slots, v, (f >= 0) & (f < k)),
-                             stash, h)
-        y = _like(stage_fn(params, h), h)
-        b = t - (2 * stages - 2 - stage)
-        mb = jnp.clip(b, 0, k - 1)
-        done = (b >= 0) & (b < k)
-        saved = jax.tree.map(lambda w: _index(w, mb % slots), stash)
-        if streamed:
-          owed = shares.take(dy, owed, t - stage, stage, edge=stage == 0)
-          given = owed
-        else:
-          given = jax.tree.map(lambda g: rows.get(g, mb), dy)
-        cotangent = jax.tree.map(lambda g, r: jnp.where(stage == last, g, r), given,
-                                 returned)
-        _, vjp = jax.vjp(stage_fn, params, saved)
-        d_params, d_h = vjp(_like(cotangent, saved))
-        grads = jax.tree.map(lambda g, d: g + jnp.where(done, d, jnp.zeros_like(d)), grads,
-                             d_params)
-        received = lax.ppermute(y, stage_axis, right)
-        returned = lax.ppermute(d_h, stage_axis, left)
-        if streamed:
-          arriving = lax.ppermute(arriving, stage_axis, left)
-          owed = lax.ppermute(owed, stage_axis, right)
-          leaving = jax.tree.map(lambda d, r: jnp.where(stage == 0, d, r), d_h, leaving)
-        else:
-          dx = jax.tree.map(lambda o, d: rows.put(o, mb, d, done & (stage == 0)), dx, d_h)
-      if streamed:  # x's gradient of micro-batch t - 2(S-1) - s, on its way home
-        dx = shares.home(dx, leaving, t - (2 * stages - 2) - stage, stage)
-        leaving = lax.ppermute(leaving, stage_axis, right)
-      return (received, returned, arriving, owed, leaving, stash, grads, dx), None
-
-    transit = (first, shares.first(dy), first) if streamed else ((), (), ())
+    iteration = functools.partial(self._iteration, params, x, dy, stage)
+    transit = (first, self.shares.first(dy), first) if self.streamed else ((), (), ())
     carry = (first, first, *transit, stash, grads, dx)
     carry, _ = lax.scan(iteration, carry, jnp.arange(k + 2 * stages - 2))
-    if streamed:
+    if self.streamed:
       drain = functools.partial(iteration, compute=False)
       carry, _ = lax.scan(drain, carry, jnp.arange(k + 2 * stages - 2, k + 3 * stages - 3))
     grads, dx = carry[-2:]
-    grads = _reduced_over(grads, axes)
+    grads = _reduced_over(grads, self.axes)
     # Streamed, each stage holds its share of x's gradient; else only stage 0 holds it.
-    return grads, dx if streamed else lax.psum(dx, stage_axis)
+    return grads, dx if self.streamed else lax.psum(dx, self.stage_axis)
 
-  return body
+  def _iteration(self, params, x, dy, stage, carry, t, compute=True):
+    received, returned, arriving, owed, leaving, stash, grads, dx = carry
+    last, axis = self.stages - 1, self.stage_axis
+    if compute:
+      y, arriving, stash = self._forward(params, x, stage, t, received, arriving, stash)
+      d_h, done, mb, owed, grads = self._backward(params, dy, stage, t, returned, owed,
+                                                  stash, grads)
+      received = lax.ppermute(y, axis, [(s, s + 1) for s in range(last)])
+      returned = lax.ppermute(d_h, axis, [(s + 1, s) for s in range(last)])
+      if self.streamed:
+        arriving = lax.ppermute(arriving, axis, [(s + 1, s) for s in range(last)])
+        owed = lax.ppermute(owed, axis, [(s, s + 1) for s in range(last)])
+        leaving = jax.tree.map(lambda d, r: jnp.where(stage == 0, d, r), d_h, leaving)
+      else:
+        dx = jax.tree.map(lambda o, d: split.put(o, mb, self.k, d, done & (stage == 0)), dx,
+                          d_h)
+    if self.streamed:  # x's gradient of micro-batch t - 2(S-1) - s, on its way home
+      dx = self.shares.home(dx, leaving, t - (2 * self.stages - 2) - stage, stage)
+      leaving = lax.ppermute(leaving, axis, [(s, s + 1) for s in range(last)])
+    return (received, returned, arriving, owed, leaving, stash, grads, dx), None
+
+  def _forward(self, params, x, stage, t, received, arriving, stash):
+    """Iteration ``t``'s forward: micro-batch ``t - s``, its input kept in the ring."""
+    k = self.k
+    f = t - stage
+    mf = jnp.clip(f, 0, k - 1)
+    if self.streamed:
+      arriving = self.shares.take(x, arriving, t + stage, stage, edge=stage == self.stages - 1)
+      fresh = arriving
+    else:
+      fresh = jax.tree.map(lambda a: split.take(a, mf, k), x)
+    h = jax.tree.map(lambda a, r: jnp.where(stage == 0, a, r), fresh, received)
+    stash = jax.tree.map(lambda w, v: _put(w, mf % self.slots, v, (f >= 0) & (f < k)),
+                         stash, h)
+    return _like(self.stage_fn(params, h), h), arriving, stash
+
+  def _backward(self, params, dy, stage, t, returned, owed, stash, grads):
+    """Iteration ``t``'s backward: micro-batch ``t - (2S - 2 - s)``, recomputed from its
+    slot of the ring; its param gradient added where it is a real micro-batch."""
+    k, last = self.k, self.stages - 1
+    b = t - (2 * self.stages - 2 - stage)
+    mb = jnp.clip(b, 0, k - 1)
+    done = (b >= 0) & (b < k)
+    saved = jax.tree.map(lambda w: _index(w, mb % self.slots), stash)
+    if self.streamed:
+      owed = self.shares.take(dy, owed, t - stage, stage, edge=stage == 0)
+      given = owed
+    else:
+      given = jax.tree.map(lambda g: split.take(g, mb, k), dy)
+    cotangent = jax.tree.map(lambda g, r: jnp.where(stage == last, g, r), given, returned)
+    _, vjp = jax.vjp(self.stage_fn, params, saved)
+    d_params, d_h = vjp(_like(cotangent, saved))
+    grads = jax.tree.map(lambda g, d: g + jnp.where(done, d, jnp.zeros_like(d)), grads,
+                         d_params)
+    return d_h, done, mb, owed, grads
 
 
 class _Shares:
@@ -555,54 +576,27 @@ class _Shares:
 
   def __init__(self, k: int, stages: int):
     self.k, self.stages = k, stages
-    self.rows = _MicroBatchRows(max(k // stages, 1))
+    self.per_stage = max(k // stages, 1)  # rows i::k/S of a stage's own rows
 
   def first(self, tree: Any) -> Any:
     """This stage's first micro-batch (real values for idle iterations)."""
-    return jax.tree.map(lambda a: self.rows.get(a, 0), tree)
+    return jax.tree.map(lambda a: split.take(a, 0, self.per_stage), tree)
 
   def take(self, tree: Any, transit: Any, m: Any, stage: Any, edge: Any = False) -> Any:
     """Micro-batch ``m`` of ``tree`` where this stage holds it (or at ``edge``, a stage
     that receives nothing), else ``transit``."""
     mine, slot = self._held(m, stage)
-    return jax.tree.map(lambda a, r: jnp.where(mine | edge, self.rows.get(a, slot), r), tree,
-                        transit)
+    held = functools.partial(split.take, m=slot, k=self.per_stage)
+    return jax.tree.map(lambda a, r: jnp.where(mine | edge, held(a), r), tree, transit)
 
   def home(self, tree: Any, value: Any, m: Any, stage: Any) -> Any:
     """``tree`` with micro-batch ``m`` set to ``value`` where this stage holds it."""
     mine, slot = self._held(m, stage)
-    return jax.tree.map(lambda o, v: self.rows.put(o, slot, v, mine), tree, value)
+    return jax.tree.map(lambda o, v: split.put(o, slot, self.per_stage, v, mine), tree, value)
 
   def _held(self, m: Any, stage: Any) -> tuple[Any, Any]:
     mine = (m % self.stages == stage) & (m >= 0) & (m < self.k)
-    return mine, jnp.clip(m // self.stages, 0, self.rows.k - 1)
-
-
-class _MicroBatchRows:
-  """Micro-batch ``m`` of a leaf, rows ``m::k``, read or written without a k-sized copy
-  (the leaf viewed as ``(rows / k, k, ...)``)."""
-
-  def __init__(self, k: int):
-    self.k = k
-
-  def get(self, leaf: jax.Array, m: Any) -> jax.Array:
-    view = leaf.reshape(leaf.shape[0] // self.k, self.k, *leaf.shape[1:])
-    return lax.dynamic_index_in_dim(view, m, axis=1, keepdims=False)
-
-  def put(self, leaf: jax.Array, m: Any, value: jax.Array, keep: Any) -> jax.Array:
-    """``leaf`` with micro-batch ``m`` replaced by ``value`` where ``keep``."""
-    view = leaf.reshape(leaf.shape[0] // self.k, self.k, *leaf.shape[1:])
-    value = jnp.where(keep, value, self.get(leaf, m))
-    return lax.dynamic_update_index_in_dim(view, value, m, axis=1).reshape(leaf.shape)
-
-
-def _to_micro_batches(k: int) -> Callable[[jax.Array], jax.Array]:
-  """(n, ...) -> (k, n / k, ...): micro-batch i holds rows i::k (fxaccum's split)."""
-  return lambda leaf: leaf.reshape(leaf.shape[0] // k, k, *leaf.shape[1:]).swapaxes(0, 1)
-
-
-def _from_micro_batches(leaf: jax.Array) -> jax.Array:
-  return leaf.swapaxes(0, 1).reshape(leaf.shape[0] * leaf.shape[1], *leaf.shape[2:])
+    return mine, jnp.clip(m // self.stages, 0, self.per_stage - 1)
 
 
 def _put(buffer: jax.Array, slot: Any, value: jax.Array, keep: Any) -> jax.Array:
@@ -613,6 +607,23 @@ def _put(buffer: jax.Array, slot: Any, value: jax.Array, keep: Any) -> jax.Array
 
 def _index(leaf: jax.Array, i: jax.Array) -> jax.Array:
   return lax.dynamic_index_in_dim(leaf, i, keepdims=False)
+
+
+def _checked_inputs(stage_fn: Callable, stage_params: Any, x: Any, k: int, schedule: str,
+                    repeats: int, stages: int, stage_axis: str, devices: int
+                    ) -> tuple[int, ...]:
+  """The stage params' leading dimensions, ``(R, S)`` or ``(S,)``, once the params, the
+  batch and ``stage_fn`` are found usable; errors name the fix."""
+  if schedule == "circular" and repeats > 1 and k < stages:
+    raise ValueError(
+        f"schedule='circular' needs micro_batches >= the {stages} stages (got "
+        f"{k}): a micro-batch leaving the last stage waits at stage 0 until its next round; "
+        f"use micro_batches={stages} or more, or repeats=1.")
+  leading = (repeats, stages) if schedule == "circular" else (stages,)
+  _check_params(stage_params, leading, stage_axis)
+  _check_closure(stage_fn, stage_params, x, len(leading), k)
+  split.leading_size(x, k, devices)
+  return leading
 
 
 def _layout(stage_params: Any, x: Any, stage_axis: str,
@@ -633,11 +644,11 @@ def _layout(stage_params: Any, x: Any, stage_axis: str,
     raise ValueError(
         f"fxaccum.pipeline is called inside a shard_map that is already manual over "
         f"{stage_axis!r}; call it outside, where the stage axis is not manual.")
-  if data_axes is None:
+  axes = meshes.as_data_axes(data_axes, "pipeline's data_axes")
+  if axes is None:
     axes = tuple(a for a in meshes.infer_data_axes(mesh, leaves, manual) if a != stage_axis)
   else:
-    axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
-    bad = [a for a in axes if a not in mesh.axis_names or a == stage_axis or a in manual]
+    bad = meshes.missing_axes(mesh, axes) + [a for a in axes if a == stage_axis or a in manual]
     if bad:
       raise ValueError(
           f"data_axes={data_axes!r} names {bad}: data axes must be mesh axes "
