@@ -1,11 +1,11 @@
 """FSDP strategies: ``fsdp="auto"`` (the default) against each strategy, the large batch and
 plain ``jit`` + ``lax.scan``.
 
-Run from the repository root::
+A study of ``benchmarks/run.py``; run from the repository root::
 
-  python benchmarks/fsdp.py                  # about 10 minutes on 2 cores; markdown tables
-  python benchmarks/fsdp.py --models scanned --no-time
-  python benchmarks/fsdp.py --quick          # tiny sizes, one timed round (the test's run)
+  python benchmarks/run.py --study fsdp       # about 20 minutes on 2 cores; markdown tables
+  python benchmarks/run.py --study fsdp --models scanned --no-time
+  python benchmarks/run.py --study fsdp --quick   # tiny sizes, one timed round (the test's)
 
 Models, every param FSDP-sharded over ``data`` on 8 devices (an ``Explicit`` mesh):
 
@@ -19,8 +19,8 @@ Models, every param FSDP-sharded over ``data`` on 8 devices (an ``Explicit`` mes
 * ``suite_mlp``, ``suite_lm``: the benchmark suite's FSDP MLP and LM (``common.py``,
   ``fsdp_spec`` along the largest dimension).
 
-``python benchmarks/fsdp.py --render benchmarks/results/fsdp.json`` prints the tables of a
-saved run (docs/performance.md, "FSDP strategies").
+``python benchmarks/run.py --study fsdp --render benchmarks/results/fsdp.json`` prints the
+tables of a saved run (docs/performance.md, "FSDP strategies").
 
 Per (model, layers, method), from the compiled program: peak bytes per device (temp +
 arguments + outputs - aliased); ms per call (median of interleaved rounds); the largest
@@ -65,6 +65,7 @@ from fxaccum import diagnostics
 
 MiB = 2 ** 20
 K = 8
+MODELS = "scanned,nn_scan,unrolled,suite_mlp,suite_lm"  # --models' default
 STRATEGIES = ("zero1", "zero2", "zero3")
 
 
@@ -222,35 +223,24 @@ def markdown(rows: list[dict]) -> str:
           + "\n".join(time_))
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--models", default="scanned,nn_scan,unrolled,suite_mlp,suite_lm")
-  parser.add_argument("--layers", default="8,16", help="for scanned, nn_scan and unrolled")
-  parser.add_argument("--repeats", type=int, default=9, help="timed rounds per method")
-  parser.add_argument("--no-time", action="store_true", help="memory and errors only")
-  parser.add_argument("--quick", action="store_true", help="tiny sizes, one timed round")
-  parser.add_argument("--out", default="benchmarks/results/fsdp.json")
-  parser.add_argument("--render", metavar="JSON", help="print the tables of a saved run")
-  args = parser.parse_args()
+def study(args: argparse.Namespace) -> None:
+  """``run.py --study fsdp``: ``--models``, ``--layers``, ``--repeats`` (9), ``--no-time``,
+  ``--quick``, ``--out`` (benchmarks/results/fsdp.json), ``--render JSON``."""
   if args.render:
     print(markdown(json.load(open(args.render))["rows"]))
     return
+  out = args.out or "benchmarks/results/fsdp.json"
   started = time.perf_counter()
   rows = []
-  for model in args.models.split(","):
+  for model in (args.models or MODELS).split(","):
     layer_counts = [0] if model.startswith("suite") else [int(n) for n in
                                                           args.layers.split(",")]
     for layers in ([2] if args.quick and layer_counts != [0] else layer_counts):
       rows += measure(model, layers, args.quick, not args.no_time,
-                      1 if args.quick else args.repeats)
+                      1 if args.quick else args.repeats or 9)
       print(markdown(rows[-len(METHODS):]), flush=True)
   table = markdown(rows)
   print(f"\nk = {K}, {jax.device_count()} {jax.devices()[0].platform} devices\n\n{table}")
-  write_json(args.out, {"benchmark": "fsdp", "command": "python benchmarks/fsdp.py",
-                        "k": K, "quick": args.quick, **environment(), "rows": rows,
-                        "table_markdown": table,
-                        "total_seconds": time.perf_counter() - started})
-
-
-if __name__ == "__main__":
-  main()
+  write_json(out, {"benchmark": "fsdp", "command": "python benchmarks/run.py --study fsdp",
+                   "k": K, "quick": args.quick, **environment(), "rows": rows,
+                   "table_markdown": table, "total_seconds": time.perf_counter() - started})

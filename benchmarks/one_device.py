@@ -1,18 +1,20 @@
 """fxaccum's micro-batch loop against plain ``jit`` + ``lax.scan``'s on ONE device.
 
-Run from the repository root (made for a GPU; on CPU it runs one simulated device)::
+A study of ``benchmarks/run.py``; run from the repository root (made for a GPU; on CPU it
+runs one simulated device)::
 
-  python benchmarks/one_device.py --profile   # about 2 minutes on one H200
+  python benchmarks/run.py --study one-device --profile   # about 2 minutes on one H200
+  python benchmarks/run.py --study one-device --quick     # tiny sizes (the test's run)
 
 With one device there is no communication to save: the two loops should be the same
 program. For the suite's MLP (``common.mlp_setup``) at k micro-batches, per variant (f32
 matmul precision x XLA:GPU's programmatic dependent launch, PDL, on or off; each in its own
 process, since both are read when JAX starts): ms per call of the gradient function of the
 large batch, fxaccum, plain scan, and plain scan written to slice each micro-batch inside
-its loop as fxaccum does (median, min, max of interleaved rounds of ``--calls`` calls
+its loop as fxaccum does (median, min, max of ``--rounds`` interleaved rounds of ``--calls`` calls
 each), temp memory, the instructions in each compiled loop body, the largest gradient
 difference to the large batch's and, with ``--profile``, each loop's device time per kernel
-from ``jax.profiler``. Writes ``benchmarks/results/one_device.json``.
+from ``jax.profiler``. Writes ``benchmarks/results/one_device.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 
+RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run.py")
 # name -> (JAX_DEFAULT_MATMUL_PRECISION, extra XLA_FLAGS): f32 matmuls at full precision
 # or at the default (TF32 on XLA:GPU), with or without programmatic dependent launch.
 VARIANTS = {
@@ -91,7 +94,7 @@ def sliced_in_loop(loss, k: int):
   return value_and_grad
 
 
-def child(k: int, rounds: int, calls: int, profile: bool) -> dict:
+def child(k: int, rounds: int, calls: int, profile: bool, quick: bool) -> dict:
   """One variant's figures (JAX starts here, with this process's flags)."""
   import common  # noqa: F401 - first: XLA_FLAGS before JAX starts
   import jax
@@ -103,7 +106,7 @@ def child(k: int, rounds: int, calls: int, profile: bool) -> dict:
 
   import fxaccum
 
-  setup = mlp_setup(False)
+  setup = mlp_setup(quick)
   mesh = layout_mesh("replicated")
   out: dict = {"environment": environment(), "k": k}
   with jax.set_mesh(mesh):
@@ -142,33 +145,33 @@ def run_variant(name: str, argv: list[str]) -> dict:
          if key != "JAX_DEFAULT_MATMUL_PRECISION"}
   if precision:
     env["JAX_DEFAULT_MATMUL_PRECISION"] = precision
-  env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS", ""), flags,
+  inherited = re.sub(r"--xla_force_host_platform_device_count=\S*", "",  # run.py's 8
+                     env.get("XLA_FLAGS", ""))
+  env["XLA_FLAGS"] = " ".join(filter(None, [inherited.strip(), flags,
                                             "--xla_force_host_platform_device_count=1"]))
   with tempfile.NamedTemporaryFile(suffix=".json") as f:
-    subprocess.run([sys.executable, __file__, "--child", f.name, *argv], env=env, check=True)
+    subprocess.run([sys.executable, RUN, "--study", "one-device", "--child", f.name, *argv],
+                   env=env, check=True)
     return json.load(open(f.name))
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--k", type=int, default=8)
-  parser.add_argument("--rounds", type=int, default=30)
-  parser.add_argument("--calls", type=int, default=20, help="calls per timed round")
-  parser.add_argument("--profile", action="store_true", help="device time per kernel")
-  parser.add_argument("--variants", default=",".join(VARIANTS),
-                      help=f"comma-separated subset of: {', '.join(VARIANTS)}")
-  parser.add_argument("--out", default="benchmarks/results/one_device.json")
-  parser.add_argument("--child", help=argparse.SUPPRESS)
-  args = parser.parse_args()
+def study(args: argparse.Namespace) -> None:
+  """``run.py --study one-device``: ``--ks`` (one k, 8), ``--rounds`` (30), ``--calls``
+  (20), ``--profile``, ``--variants`` (all), ``--quick``, ``--out``
+  (benchmarks/results/one_device.json); ``--child`` is how it runs each variant."""
+  k = int(args.ks or 8)
+  rounds, calls = (2, 2) if args.quick else (args.rounds or 30, args.calls or 20)
   from common import write_json  # imports JAX: each variant's own JAX runs in --child
 
-  shared = ["--k", str(args.k), "--rounds", str(args.rounds), "--calls", str(args.calls),
-            *(["--profile"] if args.profile else [])]
+  shared = ["--ks", str(k), "--rounds", str(rounds), "--calls", str(calls),
+            *(["--profile"] if args.profile else []), *(["--quick"] if args.quick else [])]
   if args.child:
-    write_json(args.child, child(args.k, args.rounds, args.calls, args.profile))
+    write_json(args.child, child(k, rounds, calls, args.profile, args.quick))
     return
-  results = {name: run_variant(name, shared) for name in args.variants.split(",")}
-  write_json(args.out, results)
+  out = args.out or "benchmarks/results/one_device.json"
+  names = (args.variants or ",".join(VARIANTS)).split(",")
+  results = {name: run_variant(name, shared) for name in names if name}
+  write_json(out, results)
   first = next(iter(results.values()))
   methods = [m for m, figures in first.items() if isinstance(figures, dict) and
              "ms_per_call" in figures]
@@ -178,8 +181,4 @@ def main() -> None:
     ms = {m: r[m]["ms_per_call"]["median"] for m in methods}
     print(f"| {name} | " + " | ".join(f"{ms[m]:.3f}" for m in methods) +
           f" | {ms['fxaccum'] / ms['plain scan']:.2f} |")
-  print(f"\nwrote {args.out} ({first['environment']['device_kind']})")
-
-
-if __name__ == "__main__":
-  main()
+  print(f"\nwrote {out} ({first['environment']['device_kind']})")

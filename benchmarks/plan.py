@@ -1,9 +1,9 @@
 """Choosing k: ``fxaccum.plan_micro_batches`` on examples/train_lm.py's model at three budgets.
 
-Run from the repository root::
+A study of ``benchmarks/run.py``; run from the repository root::
 
-  python benchmarks/plan.py                    # about 40 s on 2 cores; prints markdown tables
-  python benchmarks/plan.py --budgets-mib 6,4,2.5 --batch 64 --seq 32
+  python benchmarks/run.py --study plan        # about 40 s on 2 cores; prints markdown tables
+  python benchmarks/run.py --study plan --budgets-mib 6,4,2.5 --batch 64 --seq 32
 
 The model, loss and train step are examples/train_lm.py's (``TinyLM``, a ``Weighted`` token
 cross-entropy, ``fxaccum.value_and_grad`` + adam, params and optimizer state donated),
@@ -103,14 +103,10 @@ def mlp_temps(mesh, ks=(1, 2, 4, 8)) -> dict[int, int]:
   return temps
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--budgets-mib", default="6,4,2.5",
-                      help="budgets per device in MiB, comma-separated")
-  parser.add_argument("--batch", type=int, default=64, help="global batch (sequences)")
-  parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
-  parser.add_argument("--out", default="benchmarks/results/plan.json")
-  args = parser.parse_args()
+def study(args: argparse.Namespace) -> None:
+  """``run.py --study plan``: ``--budgets-mib`` (6,4,2.5), ``--batch`` (64), ``--seq``
+  (32), ``--out`` (benchmarks/results/plan.json)."""
+  out = args.out or "benchmarks/results/plan.json"
   budgets = sorted(int(float(b) * MiB) for b in args.budgets_mib.split(","))
 
   model, tx = train_lm.TinyLM(), optax.adam(LR)
@@ -165,10 +161,6 @@ def main() -> None:
             "against k:", "", *md_header(["k", *temps], 1),
             md_row(["temp (MiB)", *(f"{t / MiB:.3f}" for t in temps.values())])]
   print("\n".join(lines))
-  write_json(args.out, {"environment": environment(), "batch": args.batch, "seq": args.seq,
-                        "results": results, "mlp_temp_bytes": temps})
-  print(f"\nwrote {args.out}")
-
-
-if __name__ == "__main__":
-  main()
+  write_json(out, {"environment": environment(), "batch": args.batch, "seq": args.seq,
+                   "results": results, "mlp_temp_bytes": temps})
+  print(f"\nwrote {out}")

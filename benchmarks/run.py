@@ -4,6 +4,14 @@ Run from the repository root::
 
   python benchmarks/run.py            # full run: JSON, tables, PNG plots (~8 min on 2 cores)
   python benchmarks/run.py --quick    # tiny sizes, 1 repeat, outputs in a temp folder
+  python benchmarks/run.py --study fsdp   # one of the other measurements (below)
+
+``--study NAME`` runs one of the measurements other than the suite, each in its module
+(``--quick`` and ``--out`` apply, and the options the module's ``study`` names):
+``fsdp`` (fsdp.py: ``fsdp="auto"`` against each FSDP strategy), ``schedules``
+(schedules.py: the pipeline schedules), ``plan`` (plan.py: ``fxaccum.plan_micro_batches``
+at three budgets) and ``one-device`` (one_device.py: fxaccum's loop against plain scan's on
+one device, made for a GPU).
 
 One Adam optimizer step on the same model and global batch, for every (layout, model) setup,
 method and number ``k`` of micro-batches per optimizer step. Layouts (``common.LAYOUTS``):
@@ -97,6 +105,9 @@ from methods import (
 import fxaccum
 from fxaccum import diagnostics
 
+# --study NAME -> the module whose ``study(args)`` runs it (imported when chosen)
+STUDIES = {"fsdp": "fsdp", "schedules": "schedules", "plan": "plan",
+           "one-device": "one_device"}
 PIPELINE = "pipeline"  # fxaccum.pipeline against the same model without one (pipeline.py)
 SETUPS = ("replicated/mlp", "replicated/lm", "fsdp/mlp", "fsdp/lm", "data_x_model/mlp",
           "replicated/bn_mlp", "replicated_auto/bn_mlp")
@@ -535,9 +546,11 @@ def main() -> None:
   parser.add_argument("--out", default=None,
                       help="JSON path (default benchmarks/results/suite.json)")
   parser.add_argument("--images", default=None, help="PNG folder (default docs/images)")
-  parser.add_argument("--repeats", type=int, default=5, help="timed runs per mlp method")
+  parser.add_argument("--repeats", type=int, default=None,
+                      help="timed runs per mlp method (default 5; a study's own default)")
   parser.add_argument("--lm-repeats", type=int, default=3, help="timed runs per lm method")
-  parser.add_argument("--ks", default="1,2,4,8", help="micro-batches per optimizer step")
+  parser.add_argument("--ks", default=None,
+                      help="micro-batches per optimizer step (default 1,2,4,8)")
   parser.add_argument("--lm-seq", type=int, default=None,
                       help="the LM's sequence length (default 256; issue 22 measured 64)")
   parser.add_argument("--mlp-width", type=int, default=None,
@@ -550,7 +563,29 @@ def main() -> None:
   parser.add_argument("--hlo-digest", action="store_true",
                       help="print a digest of fxaccum's compiled in-step program per setup "
                            "and k (compare two checkouts); run nothing else")
+  study = parser.add_argument_group("studies (--study NAME)")
+  study.add_argument("--study", choices=STUDIES, default=None,
+                     help="run this measurement instead of the suite")
+  study.add_argument("--models", default=None, help="fsdp: the models (default all)")
+  study.add_argument("--layers", default="8,16", help="fsdp: layer counts")
+  study.add_argument("--no-time", action="store_true", help="fsdp: memory and errors only")
+  study.add_argument("--render", metavar="JSON", help="fsdp: print a saved run's tables")
+  study.add_argument("--budgets-mib", default="6,4,2.5", help="plan: budgets per device")
+  study.add_argument("--batch", type=int, default=64, help="plan: global batch (sequences)")
+  study.add_argument("--seq", type=int, default=32, help="plan: tokens per sequence")
+  study.add_argument("--rounds", type=int, default=None, help="one-device: timed rounds")
+  study.add_argument("--calls", type=int, default=None, help="one-device: calls per round")
+  study.add_argument("--profile", action="store_true", help="one-device: time per kernel")
+  study.add_argument("--variants", default=None, help="one-device: variants (default all)")
+  study.add_argument("--child", help=argparse.SUPPRESS)
   args = parser.parse_args()
+  if args.study:
+    import importlib
+
+    importlib.import_module(STUDIES[args.study]).study(args)
+    return
+  args.ks = args.ks or "1,2,4,8"
+  args.repeats = args.repeats or 5
   if args.hlo_digest:
     ks = [int(k) for k in args.ks.split(",") if k]
     names = args.setups.split(",") if args.setups else list(SETUPS)

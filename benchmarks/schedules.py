@@ -1,9 +1,9 @@
 """Pipeline schedules: GPipe, circular and 1F1B on the same 8-layer model.
 
-Run from the repository root::
+A study of ``benchmarks/run.py``; run from the repository root::
 
-  python benchmarks/schedules.py                # a few minutes on 2 cores; a markdown table
-  python benchmarks/schedules.py --ks 4,8 --repeats 7
+  python benchmarks/run.py --study schedules    # a few minutes on 2 cores; markdown tables
+  python benchmarks/run.py --study schedules --ks 4,8 --repeats 7
 
 The model of ``benchmarks/pipeline.py`` (an embedding, 8 residual MLP layers 256 wide, a
 head, a ``Weighted`` token loss, batch 64, sequence 64) on 8 simulated CPU devices, mesh
@@ -64,12 +64,11 @@ def compiled_step(schedule: str, k: int, params: dict, batch: dict, mesh):
   return compiled, args
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--ks", default="4,8,16,32")
-  parser.add_argument("--repeats", type=int, default=5)
-  args = parser.parse_args()
-  cfg = config(quick=False)
+def study(args: argparse.Namespace) -> None:
+  """``run.py --study schedules``: ``--ks`` (4,8,16,32), ``--repeats`` (5)."""
+  ks = [int(k) for k in (args.ks or "4,8,16,32").split(",")]
+  rounds = args.repeats or 5  # timed rounds (``repeats`` is the circular schedule's)
+  cfg = config(quick=args.quick)
   params, batch = init(cfg)
   with jax.default_matmul_precision("highest"):
     ref = jax.jit(jax.grad(lambda p: loss_with(sequential)(p, batch).value()))(params)
@@ -77,10 +76,10 @@ def main() -> None:
                        axis_types=(AxisType.Auto,) * 2)
   lines = md_header(["k", "schedule", "ms/step", "temp MiB", "permute MiB/step", "bubble",
                      "max grad err"], 2)
-  for k in (int(k) for k in args.ks.split(",")):
+  for k in ks:
     steps = {s: compiled_step(s, k, params, batch, mesh) for s in SCHEDULES}
     timed = interleaved({s: (lambda c=c, a=a: c(*a)) for s, (c, a) in steps.items()},
-                        args.repeats)
+                        rounds)
     for schedule, (compiled, _) in steps.items():
       rep = diagnostics.from_compiled(compiled, mesh)
       grads = jax.device_get(timed[schedule][2][1])
@@ -101,8 +100,9 @@ def main() -> None:
   print(f"\n{cfg}, mesh (data {jax.device_count() // STAGES}, stage {STAGES}), "
         f"{jax.device_count()} x {jax.devices()[0].platform}\n")
   print("\n".join(lines))
-  print("\n" + memory_table([int(k) for k in args.ks.split(",")], mesh))
-  print("\n" + growth_table([int(k) for k in args.ks.split(",")], mesh))
+  sizes = {"width": cfg["width"], "seq": cfg["seq"]} if args.quick else {}
+  print("\n" + memory_table(ks, mesh, **sizes))
+  print("\n" + growth_table(ks, mesh, **sizes))
 
 
 def mlp_stages(rng, width: int) -> dict:
@@ -122,7 +122,8 @@ def memory_table(ks: list[int], mesh, rows: int = 4, width: int = 256, seq: int 
   params = mlp_stages(rng, width)
 
   data = mesh.shape["data"]
-  lines = md_header(["schedule", *(f"temp MiB k={k}" for k in ks), "k=32 ÷ k=4"], 1)
+  lines = md_header(["schedule", *(f"temp MiB k={k}" for k in ks), f"k={ks[-1]} ÷ k={ks[0]}"],
+                    1)
   for schedule in ("gpipe", "1f1b"):
     temps = []
     for k in ks:
@@ -137,8 +138,7 @@ def memory_table(ks: list[int], mesh, rows: int = 4, width: int = 256, seq: int 
                 *jax.device_put((x, x), NamedSharding(mesh, P("data"))))
         compiled = jax.jit(vjp).lower(*args).compile()
       temps.append(compiled.memory_analysis().temp_size_in_bytes / 2**20)
-    ratio = temps[ks.index(32)] / temps[ks.index(4)] if {4, 32} <= set(ks) else float("nan")
-    lines.append(md_row([schedule, *(f"{t:.1f}" for t in temps), f"{ratio:.2f}"]))
+    lines.append(md_row([schedule, *(f"{t:.1f}" for t in temps), f"{temps[-1] / temps[0]:.2f}"]))
   return "\n".join(lines)
 
 
@@ -175,6 +175,3 @@ def growth_table(ks: list[int], mesh, rows: int = 4, width: int = 256, seq: int 
     lines.append(md_row([schedule, *(f"{t / 2**20:.1f}" for t in totals), f"{growth:.2f}"]))
   return "\n".join(lines)
 
-
-if __name__ == "__main__":
-  main()

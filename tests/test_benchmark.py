@@ -64,11 +64,11 @@ def test_suite_quick_run(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_strategies_quick_run(tmp_path):
-  """benchmarks/fsdp.py at tiny sizes: every method exact against jax.value_and_grad on
+  """run.py --study fsdp at tiny sizes: every method exact against jax.value_and_grad on
   the whole batch, and the default takes zero3 on stacked, scanned layers (lax.scan and
   nn.scan), zero2 on unrolled ones. (The suite's LM, zero2: benchmarks/results/fsdp.json.)"""
   out = tmp_path / "fsdp.json"
-  run_script("benchmarks/fsdp.py", "--quick", "--no-time", "--models",
+  run_script("benchmarks/run.py", "--study", "fsdp", "--quick", "--no-time", "--models",
              "scanned,nn_scan,unrolled", "--out", str(out))
   rows = json.loads(out.read_text())["rows"]
   assert {r["method"] for r in rows} == {"large batch", "plain scan", "default", "zero1",
@@ -77,3 +77,51 @@ def test_fsdp_strategies_quick_run(tmp_path):
     assert "skipped" not in r and r["grad_rel_err"] < 3e-5, r  # f32, every method alike
   taken = {r["model"]: r["strategy"].split(":")[0] for r in rows if r["method"] == "default"}
   assert taken == {"scanned": "zero3", "nn_scan": "zero3", "unrolled": "zero2"}, taken
+
+
+@pytest.mark.slow
+def test_one_device_quick_run(tmp_path):
+  """run.py --study one-device at tiny sizes on one CPU device (each variant in its own
+  process): every loop exact against the large batch, one loop body in each loop's
+  program, every method timed."""
+  out = tmp_path / "one_device.json"
+  run_script("benchmarks/run.py", "--study", "one-device", "--quick", "--variants",
+             "default", "--out", str(out))
+  result = json.loads(out.read_text())["default"]
+  assert result["environment"]["device_count"] == 1 and result["k"] == 8
+  for method in ("large batch", "fxaccum", "plain scan", "plain scan, sliced in the loop"):
+    assert result[method]["max_grad_abs_err"] < 1e-5, (method, result[method])
+    assert result[method]["ms_per_call"]["median"] > 0
+    loops = result[method]["loop_body_instructions"]
+    assert len(loops) == (0 if method == "large batch" else 1), (method, loops)
+
+
+@pytest.mark.slow
+def test_pipeline_schedules_quick_run():
+  """run.py --study schedules at tiny sizes: every schedule's gradient matches the 8 layers
+  run on one device, at each k, and the bubble is the schedule's formula."""
+  out = run_script("benchmarks/run.py", "--study", "schedules", "--quick", "--ks", "4,8",
+                   "--repeats", "1")
+  table = out[out.index("| k | schedule |"):].split("\n\n")[0].splitlines()[2:]
+  rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
+  assert {(r[0], r[1].split(",")[0]) for r in rows} == {
+      (k, s) for k in ("4", "8") for s in ("gpipe", "circular", "1f1b")}, rows
+  for k, schedule, _, _, _, bubble, err in rows:
+    assert float(err) < 1e-5, (k, schedule, err)
+    stages, repeats = 4, 2 if schedule.startswith("circular") else 1
+    expected = (stages - 1) / (int(k) * repeats + stages - 1)
+    assert abs(float(bubble) - expected) < 1e-3, (k, schedule, bubble)
+
+
+@pytest.mark.slow
+def test_plan_study_run(tmp_path):
+  """run.py --study plan on a small LM batch: the planner's choice is the first candidate
+  that fits, and it fits."""
+  out = tmp_path / "plan.json"
+  run_script("benchmarks/run.py", "--study", "plan", "--budgets-mib", "4", "--batch", "16",
+             "--seq", "8", "--out", str(out))
+  (result,) = json.loads(out.read_text())["results"]
+  table = result["table"]
+  assert [row["fits"] for row in table] == [False] * (len(table) - 1) + [True]
+  assert table[-1]["micro_batches"] == result["micro_batches"]
+  assert table[-1]["peak_bytes"] <= result["budget_bytes"] == 4 * 2**20
