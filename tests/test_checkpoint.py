@@ -198,7 +198,8 @@ def test_mismatched_every_k_tree_or_foreign_checkpoint(tmp_path):
 
 def test_other_schema_version_is_refused(tmp_path, monkeypatch):
   mgr = manager(tmp_path)
-  monkeypatch.setattr(fxaccum.checkpoint, "SCHEMA_VERSION", 99)
+  from fxaccum.integrations import orbax  # where save reads the schema version
+  monkeypatch.setattr(orbax, "SCHEMA_VERSION", 99)
   fxaccum.checkpoint.save(mgr, 1, linen_state())
   monkeypatch.undo()
   with pytest.raises(CheckpointMismatchError, match="schema 99"):

@@ -42,6 +42,8 @@ class CheckpointMismatchError(ValueError):
     fxaccum.checkpoint.CheckpointMismatchError: ... saved with accumulate(every_k=4) ...
   """
 
+  __module__ = "fxaccum.checkpoint"  # its public home, as tracebacks should name it
+
 
 @dataclasses.dataclass
 class _View:
