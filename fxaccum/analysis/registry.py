@@ -26,8 +26,8 @@ from fxaccum.analysis.eqns import with_place
 from fxaccum.analysis.kinds import Exp, Kind
 from fxaccum.analysis.pairing import Pairing
 
-__all__ = ["CALL_RULES", "RULES", "Context", "Inner", "Out", "Result", "Rule", "register",
-           "register_call"]
+__all__ = ["CALL_RULES", "RULES", "Context", "Inner", "Operands", "Out", "Result", "Rule",
+           "register", "register_call"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,10 @@ class Result:
 
 
 Out = Union[Kind, list[Kind], Result]  # noqa: UP007 - a runtime alias
+# A rule's operands' kinds. Typed loosely on purpose: the interpreter answers an equation
+# with a Top operand itself (except a call rule's), and a rule reads the attributes of
+# the kinds it has tested for (or that its primitive's typing rule guarantees).
+Operands = Sequence[Any]
 # ``inner(jaxpr, kinds, sources, partner=None)``: the kinds of the outputs of a jaxpr
 # (closed or open) an equation holds, given its inputs' kinds and which inputs are params
 # (position -> param index); with ``partner`` (the same jaxpr in the partner trace) the
@@ -69,8 +73,8 @@ class Context:
 
   eqn: Any
   pairing: Pairing
-  sources: Mapping[int, int] = dataclasses.field(default_factory=dict)
-  inner: Inner | None = None
+  sources: Mapping[int, int]
+  inner: Inner
 
   @property
   def rows(self) -> Any:
@@ -114,7 +118,7 @@ class Context:
     return with_place(self.eqn, what)
 
 
-Rule = Callable[[Context, Sequence[Kind]], Out]
+Rule = Callable[[Context, Operands], Out]
 
 RULES: dict[str, Rule] = {}
 CALL_RULES: dict[str, Rule] = {}

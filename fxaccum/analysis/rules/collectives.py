@@ -8,11 +8,9 @@ placing a value changes none. May import :mod:`fxaccum.analysis.registry`,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from fxaccum.analysis.eqns import with_place
-from fxaccum.analysis.kinds import Kind, Top
-from fxaccum.analysis.registry import Context, Out, register
+from fxaccum.analysis.kinds import Top
+from fxaccum.analysis.registry import Context, Operands, Out, register
 
 __all__ = ["COLLECTIVES", "PLACEMENTS", "collective", "placement"]
 
@@ -24,12 +22,12 @@ PLACEMENTS = ("sharding_constraint", "reshard", "mesh_cast", "device_put",
 
 
 @register(*PLACEMENTS)
-def placement(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def placement(ctx: Context, kinds: Operands) -> Out:
   """Each result is its operand, placed elsewhere."""
   return list(kinds)
 
 
 @register(*COLLECTIVES)
-def collective(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def collective(ctx: Context, kinds: Operands) -> Out:
   eqn = ctx.eqn
   return [Top(with_place(eqn, f"the collective {eqn.primitive.name}"))] * len(eqn.outvars)

@@ -12,7 +12,7 @@ as ``jax.vmap`` of its body. May import ``fxaccum.jaxprs``,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 from jax.extend import core as jcore
@@ -30,7 +30,7 @@ from fxaccum.analysis.kinds import (
     common_exp,
     join,
 )
-from fxaccum.analysis.registry import Context, Out, Result, Rule, register_call
+from fxaccum.analysis.registry import Context, Operands, Out, Result, Rule, register_call
 from fxaccum.jaxprs import scan_counts
 
 __all__ = ["cond", "fixpoint", "scan", "shard_map", "while_loop"]
@@ -49,7 +49,7 @@ def fixpoint(body: Callable[[list[Kind]], list[Kind]], carry: list[Kind]) -> lis
 
 def _call(param: str) -> Rule:
   """The rule of a call: its results are its body's."""
-  def rule(ctx: Context, kinds: Sequence[Kind]) -> Out:
+  def rule(ctx: Context, kinds: Operands) -> Out:
     return ctx.inner(ctx.eqn.params[param], list(kinds), ctx.sources)
   return rule
 
@@ -63,7 +63,7 @@ register_call("closed_call", "core_call", "custom_jvp_call", "custom_vjp_call")(
 
 
 @register_call("shard_map")
-def shard_map(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def shard_map(ctx: Context, kinds: Operands) -> Out:
   """A ``shard_map`` inside the loss: JAX 0.10 cannot lower it inside a region manual
   over the data axes, and its body's collectives read other devices' values."""
   eqn = ctx.eqn
@@ -76,7 +76,7 @@ def shard_map(ctx: Context, kinds: Sequence[Kind]) -> Out:
 
 
 @register_call("scan")
-def scan(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def scan(ctx: Context, kinds: Operands) -> Out:
   """A scan over another axis than the batch's (scanned layers) keeps each example's
   rows apart; one with an iteration per example is :func:`_scan_over_rows`."""
   n_consts, n_carry = scan_counts(ctx.eqn.params)
@@ -91,7 +91,7 @@ def scan(ctx: Context, kinds: Sequence[Kind]) -> Out:
   return Result(outs, not_reducible=looped)
 
 
-def _scan_over_layers(ctx: Context, kinds: Sequence[Kind],
+def _scan_over_layers(ctx: Context, kinds: Operands,
                       body_sources: dict[int, int]) -> list[Kind]:
   p = ctx.eqn.params
   n_consts, n_carry = scan_counts(p)
@@ -123,7 +123,7 @@ def _scan_over_layers(ctx: Context, kinds: Sequence[Kind],
   return [*carry, *stacked]
 
 
-def _scan_over_rows(ctx: Context, kinds: Sequence[Kind],
+def _scan_over_rows(ctx: Context, kinds: Operands,
                     body_sources: dict[int, int]) -> list[Kind]:
   """A scan with one iteration per example (``lax.map`` over the batch, its transpose,
   a ``fori_loop`` of ``n`` steps): the iterations are the examples, so the body is
@@ -234,7 +234,7 @@ def _plus_sum(eqn, init: Kind, step: Kind, count: Exp) -> Kind:
 
 
 @register_call("while")
-def while_loop(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def while_loop(ctx: Context, kinds: Operands) -> Out:
   """A while loop keeps its carries' kinds if its trip count is batch-independent."""
   eqn = ctx.eqn
   p = eqn.params
@@ -256,7 +256,7 @@ def while_loop(ctx: Context, kinds: Sequence[Kind]) -> Out:
 
 
 @register_call("cond")
-def cond(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def cond(ctx: Context, kinds: Operands) -> Out:
   """A conditional joins its branches' kinds if its index is batch-independent."""
   eqn = ctx.eqn
   index, operands = kinds[0], kinds[1:]

@@ -11,7 +11,7 @@ number ``D`` of devices follows from the operands' exponents. May import
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fxaccum.analysis.eqns import shape_of, with_place
-from fxaccum.analysis.kinds import Const, Exp, Kind, Rows, Stat, Top, add_exps, common_exp
-from fxaccum.analysis.registry import Context, Out, register
+from fxaccum.analysis.kinds import Const, Exp, Rows, Stat, Top, add_exps, common_exp
+from fxaccum.analysis.registry import Context, Operands, Out, register
 from fxaccum.analysis.rules.common import const_uniform, first_mixed, misaligned, uniform_at
 
 __all__ = ["ELEMENTWISE", "elementwise", "random_keys"]
@@ -88,7 +88,7 @@ def _exp_of(eqn, kinds) -> Exp:
 
 
 @register(*ELEMENTWISE)
-def elementwise(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def elementwise(ctx: Context, kinds: Operands) -> Out:
   """Ops applied element by element: examples stay apart unless combined with a
   statistic of the batch or with values that depend on the position in it."""
   eqn = ctx.eqn
@@ -139,7 +139,7 @@ def _folded(eqn, fold: Callable[..., Any], values: list[Any]) -> float | None:
     return None
 
 
-def _linear(eqn, kinds: list[Kind], exp: Exp) -> Stat:
+def _linear(eqn: Any, kinds: Operands, exp: Exp) -> Stat:
   """Batch statistics through an elementwise op: linear ones stay sums of examples.
 
   Per device a sum over examples times ``n ** p`` adds up to ``D ** -p`` times the global
@@ -210,7 +210,7 @@ def _to_real_float(eqn) -> bool:
 
 @register("random_bits", "random_split", "random_wrap", "random_unwrap",
           "rng_bit_generator")
-def random_keys(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def random_keys(ctx: Context, kinds: Operands) -> Out:
   """Random bits/keys from keys: per-example keys give per-example bits; one shared key
   gives values that depend on the position in the batch."""
   eqn = ctx.eqn

@@ -10,12 +10,12 @@ as ``Result.sized_positions``), or when each example's indices pick within that 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from fxaccum.analysis.eqns import shape_of, whole_dim, with_place
 from fxaccum.analysis.kinds import Const, Kind, Rows, Stat, Top, add_exps, common_exp
-from fxaccum.analysis.registry import Context, Out, Result, Rule, register
+from fxaccum.analysis.registry import Context, Operands, Out, Result, Rule, register
 from fxaccum.analysis.rules.common import (
     first_mixed,
     index_changes,
@@ -32,11 +32,11 @@ def _along_batch(what: str, acted: Callable[[Any], set[int]]) -> Rule:
   the batch axis. ``acted(eqn)``: the dimensions the op moves or selects elements along."""
   linear_ops = ("slice", "dynamic_slice", "pad", "rev", "split")
 
-  def rule(ctx: Context, kinds: Sequence[Kind]) -> Out:
+  def rule(ctx: Context, kinds: Operands) -> Out:
     moves = index_changes(kinds[1:] if ctx.eqn.primitive.name != "pad" else [])
     return Result(kinds_of(ctx, kinds, moves), sized_positions=moves)
 
-  def kinds_of(ctx: Context, kinds: Sequence[Kind], moves: bool) -> list[Kind]:
+  def kinds_of(ctx: Context, kinds: Operands, moves: bool) -> list[Kind]:
     eqn = ctx.eqn
     kind, rest = kinds[0], kinds[1:]
     outs = len(eqn.outvars)
@@ -102,7 +102,7 @@ register("top_k")(_along_batch("top_k", lambda e: {len(shape_of(e.invars[0])) - 
 
 
 @register("dynamic_update_slice")
-def dynamic_update_slice(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def dynamic_update_slice(ctx: Context, kinds: Operands) -> Out:
   eqn = ctx.eqn
   operand, update = kinds[:2]
   if index_changes(kinds[2:]):
@@ -128,12 +128,12 @@ def dynamic_update_slice(ctx: Context, kinds: Sequence[Kind]) -> Out:
 
 
 @register("gather")
-def gather(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def gather(ctx: Context, kinds: Operands) -> Out:
   moves = index_changes([kinds[1]])
   return Result(_gather_kind(ctx, kinds, moves), sized_positions=moves)
 
 
-def _gather_kind(ctx: Context, kinds: Sequence[Kind], moves: bool) -> Kind:
+def _gather_kind(ctx: Context, kinds: Operands, moves: bool) -> Kind:
   eqn = ctx.eqn
   operand, indices = kinds
   dn = eqn.params["dimension_numbers"]
@@ -206,7 +206,7 @@ class _Scatter(NamedTuple):
 
 
 @register("scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max")
-def scatter(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def scatter(ctx: Context, kinds: Operands) -> Out:
   """``scatter`` (``x.at[...].set``), ``scatter-add`` (the transpose of a gather: an
   embedding's gradient) and the other scatter combiners."""
   eqn = ctx.eqn
@@ -242,7 +242,7 @@ def scatter(ctx: Context, kinds: Sequence[Kind]) -> Out:
   return Result(_scatter_rows(ctx, kinds, at), sized_positions=sized)
 
 
-def _scatter_rows(ctx: Context, kinds: Sequence[Kind], at: _Scatter) -> Kind:
+def _scatter_rows(ctx: Context, kinds: Operands, at: _Scatter) -> Kind:
   """A scatter of batch rows with batch-independent or per-example indices."""
   eqn = ctx.eqn
   operand, indices, updates = kinds[:3]
@@ -290,7 +290,7 @@ def _scatter_rows(ctx: Context, kinds: Sequence[Kind], at: _Scatter) -> Kind:
 
 
 @register("sort")
-def sort(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def sort(ctx: Context, kinds: Operands) -> Out:
   eqn = ctx.eqn
   axis = eqn.params["dimension"]
   # Keys that follow the number of rows (other than as a common factor) reorder the rest.
@@ -300,7 +300,7 @@ def sort(ctx: Context, kinds: Sequence[Kind]) -> Out:
   return Result(_sort_kinds(eqn, kinds, scaled), sized_positions=moves)
 
 
-def _sort_kinds(eqn: Any, kinds: Sequence[Kind], scaled: bool) -> list[Kind]:
+def _sort_kinds(eqn: Any, kinds: Operands, scaled: bool) -> list[Kind]:
   axis = eqn.params["dimension"]
   rows = [k for k in kinds if isinstance(k, Rows)]
   outs = len(eqn.outvars)

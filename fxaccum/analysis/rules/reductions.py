@@ -9,11 +9,10 @@ the batch axis mixes examples. May import :mod:`fxaccum.analysis.registry`,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 from fxaccum.analysis.eqns import shape_of, with_place
-from fxaccum.analysis.kinds import Const, Exp, Kind, Rows, Stat, Top, add_exps
-from fxaccum.analysis.registry import Context, Out, Rule, register
+from fxaccum.analysis.kinds import Const, Exp, Rows, Stat, Top, add_exps
+from fxaccum.analysis.registry import Context, Operands, Out, Rule, register
 from fxaccum.analysis.rules.common import (
   first_mixed,
   index_exp,
@@ -36,7 +35,7 @@ def _reduction(linear: bool) -> Rule:
   """The rule of a reduction over ``axes``: a sum over the batch axis (``linear``) is a
   statistic that adds up over devices; a maximum, a product, ... is not (a maximum is
   marked ``extreme``)."""
-  def rule(ctx: Context, kinds: Sequence[Kind]) -> Out:
+  def rule(ctx: Context, kinds: Operands) -> Out:
     eqn = ctx.eqn
     kind = rescaled(eqn, kinds[0])
     name = eqn.primitive.name
@@ -84,7 +83,7 @@ register("reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "
 
 
 @register("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
-def cumulative(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def cumulative(ctx: Context, kinds: Operands) -> Out:
   eqn = ctx.eqn
   kind = rescaled(eqn, kinds[0])
   axis = eqn.params["axis"]
@@ -103,7 +102,7 @@ def cumulative(ctx: Context, kinds: Sequence[Kind]) -> Out:
 
 @register("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
           "select_and_scatter_add")
-def window(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def window(ctx: Context, kinds: Operands) -> Out:
   eqn = ctx.eqn
   kind = rescaled(eqn, kinds[0])
   outs = len(eqn.outvars)

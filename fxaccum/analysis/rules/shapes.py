@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 
 from fxaccum.analysis.eqns import shape_of, with_place
-from fxaccum.analysis.kinds import Const, Kind, Rows, Stat, Top, common_exp
-from fxaccum.analysis.registry import Context, Out, register
+from fxaccum.analysis.kinds import Const, Rows, Stat, Top, common_exp
+from fxaccum.analysis.registry import Context, Operands, Out, register
 from fxaccum.analysis.rules.common import first_mixed, map_uniform, misaligned, shift, uniform_at
 
 __all__ = ["broadcast_in_dim", "concatenate", "dim_as_value", "iota", "reshape", "squeeze",
@@ -22,7 +21,7 @@ __all__ = ["broadcast_in_dim", "concatenate", "dim_as_value", "iota", "reshape",
 
 
 @register("broadcast_in_dim")
-def broadcast_in_dim(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def broadcast_in_dim(ctx: Context, kinds: Operands) -> Out:
   eqn = ctx.eqn
   kind = kinds[0]
   dims = eqn.params["broadcast_dimensions"]
@@ -38,7 +37,7 @@ def broadcast_in_dim(ctx: Context, kinds: Sequence[Kind]) -> Out:
 
 
 @register("reshape")
-def reshape(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def reshape(ctx: Context, kinds: Operands) -> Out:
   eqn = ctx.eqn
   kind = kinds[0]
   if isinstance(kind, Stat):
@@ -72,7 +71,7 @@ def _reshaped_dim(shape, new_shape, dim: int, rows: int) -> int | None:
 
 
 @register("transpose")
-def transpose(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def transpose(ctx: Context, kinds: Operands) -> Out:
   eqn = ctx.eqn
   kind = kinds[0]
   perm = tuple(eqn.params["permutation"])
@@ -85,7 +84,7 @@ def transpose(ctx: Context, kinds: Sequence[Kind]) -> Out:
 
 
 @register("squeeze")
-def squeeze(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def squeeze(ctx: Context, kinds: Operands) -> Out:
   eqn = ctx.eqn
   kind = kinds[0]
   removed = tuple(eqn.params["dimensions"])
@@ -101,7 +100,7 @@ def squeeze(ctx: Context, kinds: Sequence[Kind]) -> Out:
 
 
 @register("concatenate")
-def concatenate(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def concatenate(ctx: Context, kinds: Operands) -> Out:
   eqn = ctx.eqn
   axis = eqn.params["dimension"]
   out_shape = shape_of(eqn.outvars[0])
@@ -126,14 +125,14 @@ def concatenate(ctx: Context, kinds: Sequence[Kind]) -> Out:
 
 
 @register("iota")
-def iota(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def iota(ctx: Context, kinds: Operands) -> Out:
   eqn = ctx.eqn
   ndim = len(eqn.params["shape"])
   return Const(frozenset(range(ndim)) - {eqn.params["dimension"]})
 
 
 @register("dim_as_value")
-def dim_as_value(ctx: Context, kinds: Sequence[Kind]) -> Out:
+def dim_as_value(ctx: Context, kinds: Operands) -> Out:
   """A size as a value (symbolic mode: e.g. ``jnp.mean``'s divisor ``n``)."""
   eqn = ctx.eqn
   return Const(exp=ctx.pairing.degree(eqn.params["dim"]) if ctx.symbol is not None else None)
