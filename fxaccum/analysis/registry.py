@@ -126,17 +126,17 @@ CALL_RULES: dict[str, Rule] = {}
 
 def register(*names: str) -> Callable[[Rule], Rule]:
   """Registers a rule for the primitives ``names`` (see the module doc)."""
-  def add(rule: Rule) -> Rule:
-    for name in names:
-      RULES[name] = rule
-    return rule
-  return add
+  return _adding_to(RULES, names)
 
 
 def register_call(*names: str) -> Callable[[Rule], Rule]:
   """Registers the rule of primitives ``names`` that hold sub-jaxprs."""
+  return _adding_to(CALL_RULES, names)
+
+
+def _adding_to(table: dict[str, Rule], names: tuple[str, ...]) -> Callable[[Rule], Rule]:
   def add(rule: Rule) -> Rule:
     for name in names:
-      CALL_RULES[name] = rule
+      table[name] = rule
     return rule
   return add

@@ -29,5 +29,6 @@ def placement(ctx: Context, kinds: Operands) -> Out:
 
 @register(*COLLECTIVES)
 def collective(ctx: Context, kinds: Operands) -> Out:
+  """A collective reads other devices' values: every result mixes examples."""
   eqn = ctx.eqn
   return [Top(with_place(eqn, f"the collective {eqn.primitive.name}"))] * len(eqn.outvars)

@@ -108,6 +108,8 @@ def _rows_with_const(eqn: Any, kinds: Operands, dims: _Dims, mixed: str | None,
 
 @register("conv_general_dilated")
 def conv(ctx: Context, kinds: Operands) -> Out:
+  """A convolution over each example (batch on the lhs batch dim), or a kernel's gradient
+  (examples contracted as features); any other mixes examples."""
   eqn = ctx.eqn
   lhs, rhs = kinds
   dn = eqn.params["dimension_numbers"]

@@ -93,6 +93,8 @@ def scan(ctx: Context, kinds: Operands) -> Out:
 
 def _scan_over_layers(ctx: Context, kinds: Operands,
                       body_sources: dict[int, int]) -> list[Kind]:
+  """A scan whose iterations are not the examples: xs sliced along axis 0 (the batch axis
+  of a row value moves down one), carries iterated to a fixpoint, ys stacked."""
   p = ctx.eqn.params
   n_consts, n_carry = scan_counts(p)
   consts, carry, xs = kinds[:n_consts], kinds[n_consts:n_consts + n_carry], kinds[

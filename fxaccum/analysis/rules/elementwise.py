@@ -37,7 +37,7 @@ ELEMENTWISE = frozenset("""
     sub tan tanh threefry2x32 xor zeta
 """.split())
 
-
+# Known values of constants folded through these ops (e.g. a mean's divisor).
 _FOLD: dict[str, Callable[..., Any]] = {
     "neg": lambda a: -a, "convert_element_type": lambda a: a, "copy": lambda a: a,
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b,
@@ -50,8 +50,6 @@ _FOLD: dict[str, Callable[..., Any]] = {
 _SAME = frozenset({"neg", "convert_element_type", "copy", "copy_p", "reduce_precision",
                    "stop_gradient", "real", "imag", "conj", "abs", "add", "add_any", "sub",
                    "max", "min", "select_n", "clamp", "complex"})
-
-
 _SCALE_FREE = frozenset({"sign", "eq", "ne", "lt", "le", "gt", "ge", "is_finite"})
 
 

@@ -103,6 +103,7 @@ register("top_k")(_along_batch("top_k", lambda e: {len(shape_of(e.invars[0])) - 
 
 @register("dynamic_update_slice")
 def dynamic_update_slice(ctx: Context, kinds: Operands) -> Out:
+  """An update that writes whole examples' rows keeps them apart."""
   eqn = ctx.eqn
   operand, update = kinds[:2]
   if index_changes(kinds[2:]):
@@ -129,11 +130,14 @@ def dynamic_update_slice(ctx: Context, kinds: Operands) -> Out:
 
 @register("gather")
 def gather(ctx: Context, kinds: Operands) -> Out:
+  """A gather: an embedding lookup per example, a batched gather within each example, or
+  a slice taking the batch axis whole."""
   moves = index_changes([kinds[1]])
   return Result(_gather_kind(ctx, kinds, moves), sized_positions=moves)
 
 
 def _gather_kind(ctx: Context, kinds: Operands, moves: bool) -> Kind:
+  """The kind of a gather's result (``moves``: its indices follow the number of rows)."""
   eqn = ctx.eqn
   operand, indices = kinds
   dn = eqn.params["dimension_numbers"]
@@ -291,6 +295,7 @@ def _scatter_rows(ctx: Context, kinds: Operands, at: _Scatter) -> Kind:
 
 @register("sort")
 def sort(ctx: Context, kinds: Operands) -> Out:
+  """A sort along another axis than the batch's, by keys that do not follow the rows."""
   eqn = ctx.eqn
   axis = eqn.params["dimension"]
   # Keys that follow the number of rows (other than as a common factor) reorder the rest.
@@ -301,6 +306,7 @@ def sort(ctx: Context, kinds: Operands) -> Out:
 
 
 def _sort_kinds(eqn: Any, kinds: Operands, scaled: bool) -> list[Kind]:
+  """The kinds of a sort's results (``scaled``: its order follows the number of rows)."""
   axis = eqn.params["dimension"]
   rows = [k for k in kinds if isinstance(k, Rows)]
   outs = len(eqn.outvars)

@@ -26,8 +26,7 @@ __all__ = ["cumulative", "window"]
 
 
 _EXTREMES = {"reduce_max": "max", "reduce_min": "min"}
-
-
+# Reductions whose result does not change with the number of equal elements reduced.
 _SIZE_FREE_REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_and", "reduce_or"})
 
 
@@ -84,6 +83,7 @@ register("reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "
 
 @register("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
 def cumulative(ctx: Context, kinds: Operands) -> Out:
+  """A cumulative op along another axis than the batch's keeps examples apart."""
   eqn = ctx.eqn
   kind = rescaled(eqn, kinds[0])
   axis = eqn.params["axis"]
@@ -103,6 +103,7 @@ def cumulative(ctx: Context, kinds: Operands) -> Out:
 @register("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
           "select_and_scatter_add")
 def window(ctx: Context, kinds: Operands) -> Out:
+  """A window op whose windows do not move along the batch axis keeps examples apart."""
   eqn = ctx.eqn
   kind = rescaled(eqn, kinds[0])
   outs = len(eqn.outvars)

@@ -12,9 +12,9 @@ import dataclasses
 import math
 
 from fxaccum.analysis.eqns import shape_of, with_place
-from fxaccum.analysis.kinds import Const, Rows, Stat, Top, common_exp
+from fxaccum.analysis.kinds import Const, Kind, Rows, Stat, Top, common_exp
 from fxaccum.analysis.registry import Context, Operands, Out, register
-from fxaccum.analysis.rules.common import first_mixed, map_uniform, misaligned, shift, uniform_at
+from fxaccum.analysis.rules.common import first_mixed, map_uniform, misaligned, uniform_at
 
 __all__ = ["broadcast_in_dim", "concatenate", "dim_as_value", "iota", "reshape", "squeeze",
            "transpose"]
@@ -22,6 +22,7 @@ __all__ = ["broadcast_in_dim", "concatenate", "dim_as_value", "iota", "reshape",
 
 @register("broadcast_in_dim")
 def broadcast_in_dim(ctx: Context, kinds: Operands) -> Out:
+  """A broadcast keeps each kind; a constant is uniform along the new dims."""
   eqn = ctx.eqn
   kind = kinds[0]
   dims = eqn.params["broadcast_dimensions"]
@@ -38,6 +39,8 @@ def broadcast_in_dim(ctx: Context, kinds: Operands) -> Out:
 
 @register("reshape")
 def reshape(ctx: Context, kinds: Operands) -> Out:
+  """A reshape keeps examples apart where each example stays a block of one dimension
+  (in both traces)."""
   eqn = ctx.eqn
   kind = kinds[0]
   if isinstance(kind, Stat):
@@ -72,35 +75,34 @@ def _reshaped_dim(shape, new_shape, dim: int, rows: int) -> int | None:
 
 @register("transpose")
 def transpose(ctx: Context, kinds: Operands) -> Out:
-  eqn = ctx.eqn
-  kind = kinds[0]
-  perm = tuple(eqn.params["permutation"])
-  if isinstance(kind, Rows):
-    return dataclasses.replace(kind, dim=perm.index(kind.dim))
-  if isinstance(kind, Const):
-    return Const(map_uniform(kind.uniform, {d: perm.index(d) for d in perm}), kind.value,
-                 kind.exp)
-  return kind
+  """A transpose moves the batch axis."""
+  perm = tuple(ctx.eqn.params["permutation"])
+  return _renamed(kinds[0], {d: perm.index(d) for d in perm})
 
 
 @register("squeeze")
 def squeeze(ctx: Context, kinds: Operands) -> Out:
+  """A squeeze of other dims than the batch axis."""
   eqn = ctx.eqn
-  kind = kinds[0]
   removed = tuple(eqn.params["dimensions"])
+  if isinstance(kinds[0], Rows) and kinds[0].dim in removed:  # not for two or more examples
+    return Top(with_place(eqn, "a squeeze of the batch axis"))
+  keep = [d for d in range(len(shape_of(eqn.invars[0]))) if d not in removed]
+  return _renamed(kinds[0], {d: i for i, d in enumerate(keep)})
+
+
+def _renamed(kind: Kind, dims: dict[int, int]) -> Kind:
+  """``kind`` with its dims renamed (old -> new; a dim left out is gone)."""
   if isinstance(kind, Rows):
-    if kind.dim in removed:  # cannot happen for two or more examples
-      return Top(with_place(eqn, "a squeeze of the batch axis"))
-    return dataclasses.replace(kind, dim=shift(kind.dim, removed))
+    return dataclasses.replace(kind, dim=dims[kind.dim])
   if isinstance(kind, Const):
-    keep = [d for d in range(len(shape_of(eqn.invars[0]))) if d not in removed]
-    return Const(map_uniform(kind.uniform, {d: i for i, d in enumerate(keep)}), kind.value,
-                 kind.exp)
+    return Const(map_uniform(kind.uniform, dims), kind.value, kind.exp)
   return kind
 
 
 @register("concatenate")
 def concatenate(ctx: Context, kinds: Operands) -> Out:
+  """A concatenation along another axis than the batch's, of values batched alike."""
   eqn = ctx.eqn
   axis = eqn.params["dimension"]
   out_shape = shape_of(eqn.outvars[0])
@@ -126,6 +128,7 @@ def concatenate(ctx: Context, kinds: Operands) -> Out:
 
 @register("iota")
 def iota(ctx: Context, kinds: Operands) -> Out:
+  """Positions: constant along every dim but the counted one."""
   eqn = ctx.eqn
   ndim = len(eqn.params["shape"])
   return Const(frozenset(range(ndim)) - {eqn.params["dimension"]})
