@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 from fxaccum.analysis.eqns import with_place
 from fxaccum.analysis.kinds import Exp, Kind
@@ -48,7 +48,7 @@ class Result:
   sized_positions: bool = False
 
 
-Out = Union[Kind, list[Kind], Result]  # noqa: UP007 - a runtime alias
+Out = Kind | list[Kind] | Result  # what a rule returns
 # A rule's operands' kinds. Typed loosely on purpose: the interpreter answers an equation
 # with a Top operand itself (except a call rule's), and a rule reads the attributes of
 # the kinds it has tested for (or that its primitive's typing rule guarantees).
