@@ -2,17 +2,20 @@
 versions write differently.
 
 fxaccum reads jaxprs (the view analysis, ZeRO-3 gathering); where a JAX release changes
-how a primitive records its parameters, the difference is bridged here.
+how a primitive records its parameters, the difference is bridged here. Every walk that
+enters sub-jaxprs (the analysis's interpreter and its pairing of two traces,
+``depends_on``, the ZeRO-3 evaluator) finds them with :func:`held_jaxprs`, so a new way
+of holding one is taught to all of them at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from jax.extend import core as jcore
 
-__all__ = ["scan_counts", "subjaxprs"]
+__all__ = ["eqns_within", "held_jaxprs", "scan_counts", "subjaxprs"]
 
 
 def scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
@@ -25,12 +28,25 @@ def scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
   return len(consts), len(carry)
 
 
-def subjaxprs(value: Any) -> list[Any]:
-  """The (open) jaxprs held by an equation parameter."""
-  if isinstance(value, jcore.ClosedJaxpr):
-    return [value.jaxpr]
-  if isinstance(value, jcore.Jaxpr):
+def held_jaxprs(value: Any) -> list[Any]:
+  """The jaxprs held by an equation parameter, as it holds them (a ``ClosedJaxpr`` with
+  its constants, or an open ``Jaxpr``), in order; ``[]`` for any other value."""
+  if isinstance(value, (jcore.ClosedJaxpr, jcore.Jaxpr)):
     return [value]
   if isinstance(value, (tuple, list)):
-    return [j for v in value for j in subjaxprs(v)]
+    return [j for v in value for j in held_jaxprs(v)]
   return []
+
+
+def subjaxprs(value: Any) -> list[Any]:
+  """The (open) jaxprs held by an equation parameter."""
+  return [j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j for j in held_jaxprs(value)]
+
+
+def eqns_within(eqn: Any) -> Iterator[Any]:
+  """``eqn``, then every equation of the sub-jaxprs it holds, depth first."""
+  yield eqn
+  for value in eqn.params.values():
+    for sub in subjaxprs(value):
+      for inner in sub.eqns:
+        yield from eqns_within(inner)

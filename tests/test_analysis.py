@@ -304,8 +304,8 @@ def test_a_rule_that_cannot_read_its_equation_falls_back_to_the_global_view(monk
   in the global view, exact, and the path names the equation."""
   from fxaccum.analysis import rules
 
-  def renamed(w, eqn, kinds):
-    return eqn.params["a parameter this JAX does not write"]
+  def renamed(ctx, kinds):
+    return ctx.eqn.params["a parameter this JAX does not write"]
 
   monkeypatch.setitem(rules.RULES, "reduce_sum", renamed)
   loss = lambda w, x: jnp.mean(_per_row(w, x))  # noqa: E731 - per-example: device view

@@ -9,15 +9,23 @@ dict or set finds no int key for it (``{4: 2.0}.get(n)``), and its text is a for
 comparison JAX cannot decide (``<``) and ``int(n)`` raise instead, which a ``try`` may
 catch. :func:`undecided_uses` lets the analysis see each of these and trust the trace no
 further. What it cannot see is a type test (``isinstance(n, int)``): docs/instep.md says so.
+
+This is the one place fxaccum patches JAX (methods of its private ``_DimExpr``, while a
+block runs). A guard checks first that the class and each method are there and take the
+operands they are watched with; where a JAX release changed them, it warns once and every
+block records why, so the symbolic trace is trusted nowhere and the analysis pairs two
+concrete traces instead. May import JAX only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import threading
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,9 +46,9 @@ def undecided_uses() -> Iterator[list[str]]:
   block records one entry (the caller then trusts no symbolic trace).
   """
   found: list[str] = []
-  dim_expr = _dim_expr_class()
+  dim_expr, problem = _guarded_class()
   if dim_expr is None:
-    found.append("jax.export's symbolic sizes could not be watched")
+    found.append(f"jax.export's symbolic sizes could not be watched: {problem}")
     yield found
     return
   with _LOCK:
@@ -90,6 +98,10 @@ _CHECKS: dict[str, Callable[[Any, tuple[Any, ...], Any], bool]] = {
     "__str__": _always, "__repr__": _always, "__int__": _never, "__lt__": _never,
     "__le__": _never, "__gt__": _never, "__ge__": _never}
 _DEFAULTS: dict[str, Callable[..., Any]] = {"__bool__": lambda self: True}  # object's own
+# How many operands (self included) each watched method takes.
+_ARITY = {name: 2 if name in ("__eq__", "__lt__", "__le__", "__gt__", "__ge__") else 1
+          for name in _CHECKS}
+_WARNED: set[str] = set()  # the problems warned about (once each)
 _LOCK = threading.Lock()
 _RECORDERS: dict[int, list[str]] = {}  # thread -> its block's findings
 _ORIGINALS: dict[str, Any] = {}  # JAX's own methods (None: inherited), while watched
@@ -97,13 +109,51 @@ _CHECKING = threading.local()  # inside a check (JAX's arithmetic): no recursion
 _JAX_DIR = os.path.dirname(jax.__file__) + os.sep
 
 
-def _dim_expr_class() -> Any:
+def _shape_module() -> Any:
+  """JAX's private module that defines symbolic sizes (``jax.export``'s ``_DimExpr``)."""
+  from jax._src.export import shape_poly
+  return shape_poly
+
+
+def _guarded_class() -> tuple[Any, str | None]:
+  """``_DimExpr``, if it is the class this module was written for (JAX 0.10 to 0.12): every
+  watched method there, taking the operands it is watched with; else None and what
+  differs. A JAX release that changes it makes every block record that one reason (the
+  symbolic trace is then trusted nowhere) and warns once, instead of patching methods
+  that are not there or read their answers wrongly."""
   try:
-    from jax._src.export import shape_poly
-  except ImportError:
-    return None
-  cls = getattr(shape_poly, "_DimExpr", None)
-  return cls if cls is not None and "__eq__" in vars(cls) else None
+    cls = getattr(_shape_module(), "_DimExpr", None)
+  except ImportError as err:
+    return _refused(f"jax._src.export.shape_poly does not import ({err})")
+  if not isinstance(cls, type) or not callable(getattr(jax.export, "is_symbolic_dim", None)):
+    return _refused("jax._src.export.shape_poly._DimExpr or jax.export.is_symbolic_dim is "
+                    "gone")
+  for name, arity in _ARITY.items():
+    method = vars(cls).get(name)
+    if method is None and name not in _DEFAULTS:
+      return _refused(f"_DimExpr.{name} is gone")
+    if method is not None and not _takes(method, arity):
+      return _refused(f"_DimExpr.{name} no longer takes {arity} operand(s)")
+  return cls, None
+
+
+def _takes(method: Any, arity: int) -> bool:
+  """Whether ``method`` can be called with ``arity`` positional operands (self included)."""
+  try:
+    inspect.signature(method).bind(*range(arity))
+  except (TypeError, ValueError):
+    return False
+  return True
+
+
+def _refused(problem: str) -> tuple[None, str]:
+  problem = f"{problem} in JAX {jax.__version__}"
+  if problem not in _WARNED:
+    _WARNED.add(problem)
+    warnings.warn(f"fxaccum cannot watch jax.export's symbolic sizes ({problem}): the view "
+                  "analysis proves per-example losses from two concrete traces instead",
+                  RuntimeWarning, stacklevel=4)
+  return None, problem
 
 
 def _watched(name: str, original: Callable[..., Any],

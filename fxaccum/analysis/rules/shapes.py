@@ -1,0 +1,143 @@
+"""Rules of ops that move values between dimensions: broadcasts, reshapes, transposes,
+squeezes, concatenations, and sizes as values (``iota``, ``dim_as_value``).
+
+They keep examples apart as long as the batch axis stays one dimension whose blocks are
+the examples. May import :mod:`fxaccum.analysis.registry`, :mod:`fxaccum.analysis.kinds`,
+:mod:`fxaccum.analysis.eqns` and :mod:`.common`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from fxaccum.analysis.eqns import shape_of, with_place
+from fxaccum.analysis.kinds import Const, Kind, Rows, Stat, Top, common_exp
+from fxaccum.analysis.registry import Context, Operands, Out, register
+from fxaccum.analysis.rules.common import first_mixed, map_uniform, misaligned, uniform_at
+
+__all__ = ["broadcast_in_dim", "concatenate", "dim_as_value", "iota", "reshape", "squeeze",
+           "transpose"]
+
+
+@register("broadcast_in_dim")
+def broadcast_in_dim(ctx: Context, kinds: Operands) -> Out:
+  """A broadcast keeps each kind; a constant is uniform along the new dims."""
+  eqn = ctx.eqn
+  kind = kinds[0]
+  dims = eqn.params["broadcast_dimensions"]
+  out_shape, in_shape = shape_of(eqn.outvars[0]), shape_of(eqn.invars[0])
+  if isinstance(kind, Rows):
+    return dataclasses.replace(kind, dim=dims[kind.dim])
+  if isinstance(kind, Stat):
+    return kind
+  uniform = {d for d in range(len(out_shape)) if d not in dims}
+  uniform |= {dims[i] for i in kind.uniform}
+  uniform |= {dims[i] for i, size in enumerate(in_shape) if size == 1}
+  return Const(frozenset(uniform), kind.value, kind.exp)
+
+
+@register("reshape")
+def reshape(ctx: Context, kinds: Operands) -> Out:
+  """A reshape keeps examples apart where each example stays a block of one dimension
+  (in both traces)."""
+  eqn = ctx.eqn
+  kind = kinds[0]
+  if isinstance(kind, Stat):
+    return kind
+  if isinstance(kind, Const):
+    out_ndim = len(shape_of(eqn.outvars[0]))
+    return Const(frozenset(range(out_ndim)) if kind.value is not None else frozenset(),
+                 kind.value, kind.exp)
+  if eqn.params.get("dimensions") is not None:
+    return Top(with_place(eqn, "a reshape that transposes the batch axis"))
+  dim = _reshaped_dim(shape_of(eqn.invars[0]), shape_of(eqn.outvars[0]), kind.dim, ctx.rows)
+  theirs = (ctx.partner_shape(0), ctx.partner_shape(0, out=True))
+  if dim is not None and theirs[0] is not None and theirs[1] is not None and ctx.base:
+    if _reshaped_dim(*theirs, kind.dim, round(ctx.rows / ctx.base)) != dim:
+      dim = None
+  if dim is None:
+    return Top(with_place(eqn, "a reshape that splits the batch axis across examples"))
+  return dataclasses.replace(kind, dim=dim)
+
+
+def _reshaped_dim(shape, new_shape, dim: int, rows: int) -> int | None:
+  """Where batch-major dim ``dim`` of ``shape`` lands in ``new_shape`` (row-major), if the
+  examples stay contiguous blocks of one dimension."""
+  outer = math.prod(shape[:dim])
+  prefix = 1
+  for new_dim, size in enumerate(new_shape):
+    if prefix == outer and size != 0 and size % rows == 0:
+      return new_dim
+    prefix *= size
+  return None
+
+
+@register("transpose")
+def transpose(ctx: Context, kinds: Operands) -> Out:
+  """A transpose moves the batch axis."""
+  perm = tuple(ctx.eqn.params["permutation"])
+  return _renamed(kinds[0], {d: perm.index(d) for d in perm})
+
+
+@register("squeeze")
+def squeeze(ctx: Context, kinds: Operands) -> Out:
+  """A squeeze of other dims than the batch axis."""
+  eqn = ctx.eqn
+  removed = tuple(eqn.params["dimensions"])
+  if isinstance(kinds[0], Rows) and kinds[0].dim in removed:  # not for two or more examples
+    return Top(with_place(eqn, "a squeeze of the batch axis"))
+  keep = [d for d in range(len(shape_of(eqn.invars[0]))) if d not in removed]
+  return _renamed(kinds[0], {d: i for i, d in enumerate(keep)})
+
+
+def _renamed(kind: Kind, dims: dict[int, int]) -> Kind:
+  """``kind`` with its dims renamed (old -> new; a dim left out is gone)."""
+  if isinstance(kind, Rows):
+    return dataclasses.replace(kind, dim=dims[kind.dim])
+  if isinstance(kind, Const):
+    return Const(map_uniform(kind.uniform, dims), kind.value, kind.exp)
+  return kind
+
+
+@register("concatenate")
+def concatenate(ctx: Context, kinds: Operands) -> Out:
+  """A concatenation along another axis than the batch's, of values batched alike."""
+  eqn = ctx.eqn
+  axis = eqn.params["dimension"]
+  out_shape = shape_of(eqn.outvars[0])
+  exp = common_exp(kinds)
+  scaled = axis in ctx.scaled_dims(0, out=True)
+  rows = [k for k in kinds if isinstance(k, Rows)]
+  if rows:
+    dim = rows[0].dim
+    ok = axis != dim and not scaled and exp is not None and all(
+        (isinstance(k, Rows) and k.dim == dim) or
+        (isinstance(k, Const) and uniform_at(k, v, out_shape, dim))
+        for k, v in zip(kinds, eqn.invars, strict=True))
+    mixed = first_mixed(rows) or misaligned(eqn, rows)
+    return Rows(dim, mixed or (None if ok else with_place(eqn, "a concatenation along or across "
+                                                       "the batch axis")), exp, rows[0].order)
+  stats = [k for k in kinds if isinstance(k, Stat)]
+  if stats:
+    ok = all(isinstance(k, Stat) for k in kinds) and exp is not None and not scaled
+    return Stat(first_mixed(stats) or (None if ok else with_place(
+        eqn, "a concatenation of statistics and constants")), exp)
+  return Const(exp=None if scaled else exp)
+
+
+@register("iota")
+def iota(ctx: Context, kinds: Operands) -> Out:
+  """Positions: constant along every dim but the counted one."""
+  eqn = ctx.eqn
+  ndim = len(eqn.params["shape"])
+  return Const(frozenset(range(ndim)) - {eqn.params["dimension"]})
+
+
+@register("dim_as_value")
+def dim_as_value(ctx: Context, kinds: Operands) -> Out:
+  """A size as a value (symbolic mode: e.g. ``jnp.mean``'s divisor ``n``)."""
+  eqn = ctx.eqn
+  return Const(exp=ctx.pairing.degree(eqn.params["dim"]) if ctx.symbol is not None else None)
+
+
