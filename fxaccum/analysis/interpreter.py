@@ -45,6 +45,7 @@ traces is a pass of its own (:mod:`fxaccum.analysis.pairing`), run before. May i
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,7 +54,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from fxaccum.analysis import rules as _rules  # noqa: F401 - fills the registry
-from fxaccum.analysis.eqns import with_place
+from fxaccum.analysis.eqns import is_constant, with_place
 from fxaccum.analysis.kinds import Const, Kind, Rows, Stat, Top, Unpaired, mixing
 from fxaccum.analysis.pairing import Pairing
 from fxaccum.analysis.registry import CALL_RULES, RULES, Context, Out, Result
@@ -91,11 +92,14 @@ def analyze(
     param_inputs: Sequence[int],
     partner: Any = None,
     partner_rows: int | None = None,
+    rows_seen: int | None = None,
 ) -> Analysis:
   """Walks ``closed_jaxpr`` whose inputs at ``batch_inputs`` have ``rows`` examples on
   axis 0; ``param_inputs`` are followed for :attr:`Analysis.reducible`. ``partner`` is the
   same computation traced with ``partner_rows`` examples (the per-device program), for
-  the exponents (see the module doc)."""
+  the exponents (see the module doc). ``rows_seen``: the global number of rows the step
+  runs on, where ``rows`` is symbolic (the size at which a narrow integer sum must not
+  wrap)."""
   jaxpr = closed_jaxpr.jaxpr
   base = rows / partner_rows if partner is not None and partner_rows else None
   pairing = Pairing(rows, base)
@@ -109,7 +113,7 @@ def analyze(
       unpaired = ("the loss's operations change with the number of rows (the per-device "
                   f"program differs from the global one{err.where})")
       pairing, partner = Pairing(rows), None
-  interpreter = _Interpreter(pairing)
+  interpreter = _Interpreter(pairing, rows if pairing.symbol is None else rows_seen)
   kinds = [Rows(0) if i in set(batch_inputs) else Const() for i in range(len(jaxpr.invars))]
   partner_consts = partner.consts if partner is not None else [None] * len(
       closed_jaxpr.consts)
@@ -146,6 +150,12 @@ def _calls(eqn: Any, names: frozenset[str]) -> bool:
   return any(inner.primitive.name in names for inner in eqns_within(eqn))
 
 
+# Ops that keep a bound on the magnitude of the elements (a sum: times their number).
+_KEEPS_BOUND = frozenset({"reduce_sum", "convert_element_type", "copy", "copy_p",
+                          "stop_gradient", "reshape", "squeeze", "expand_dims",
+                          "broadcast_in_dim", "transpose", "optimization_barrier",
+                          "sharding_constraint", "reduce_max", "reduce_min"})
+
 # Ops through which a param stays "the param" for the reduced-type analysis.
 TRANSPARENT = frozenset({"convert_element_type", "transpose", "copy", "copy_p",
                          "reduce_precision", "sharding_constraint", "optimization_barrier"})
@@ -155,11 +165,14 @@ class _Interpreter:
   """Gives each value of a jaxpr its kind, equation by equation, from the registry's
   rules; collects their findings (see :class:`~fxaccum.analysis.registry.Result`)."""
 
-  def __init__(self, pairing: Pairing):
+  def __init__(self, pairing: Pairing, rows_seen: int | None = None):
     self.pairing = pairing
+    self.rows_seen = rows_seen
     self.blockers: list[str] = []
     self.not_reducible: set[int] = set()
     self.sized_positions = False
+    # var -> a bound on the magnitude of its integer elements, where one is known
+    self.bounds: dict[Any, int] = {}
 
   def run(self, jaxpr: Any, const_kinds: Sequence[Kind], in_kinds: Sequence[Kind],
           origins: dict[int, int]) -> list[Kind]:
@@ -176,6 +189,7 @@ class _Interpreter:
       kinds = [self._read(env, eqn, i) for i in range(len(eqn.invars))]
       sources = {pos: origin[v] for pos, v in enumerate(eqn.invars)
                  if not isinstance(v, jcore.Literal) and v in origin}
+      self._bound(eqn)
       outs = self._eqn(eqn, kinds, sources)
       for var, kind in zip(eqn.outvars, outs, strict=True):
         env[var] = kind
@@ -263,15 +277,54 @@ class _Interpreter:
       out = out.kinds
     return list(out) if isinstance(out, list) else [out] * len(eqn.outvars)
 
+  def _bound(self, eqn: Any) -> None:
+    """Records a bound on the magnitude of the integer elements of ``eqn``'s result where
+    one is known: a flag cast from a bool is 0 or 1, a sum of ``m`` bounded elements
+    ``m`` times their bound, and ops that move or copy elements keep it."""
+    name = eqn.primitive.name
+    var = eqn.invars[0] if eqn.invars else None
+    if var is None or isinstance(var, jcore.Literal):
+      return
+    if name == "convert_element_type" and jax.dtypes.issubdtype(var.aval.dtype, np.bool_):
+      bound: int | None = 1
+    elif var not in self.bounds or name not in _KEEPS_BOUND:
+      return
+    elif name == "reduce_sum":
+      count = self._count(math.prod(var.aval.shape[d] for d in eqn.params["axes"]))
+      bound = None if count is None else count * self.bounds[var]
+    else:
+      bound = self.bounds[var]
+    dtype = eqn.outvars[0].aval.dtype
+    integer = jax.dtypes.issubdtype(dtype, np.integer)
+    if bound is not None and (not integer or bound <= np.iinfo(dtype).max):
+      self.bounds[eqn.outvars[0]] = bound
+
+  def _count(self, size: Any) -> int | None:
+    """A number of elements at the rows seen (an expression in the symbolic rows)."""
+    if is_constant(size):
+      return int(size)
+    symbol, exp = self.pairing.symbol, self.pairing.degree(size)
+    if symbol is None or exp is None or self.rows_seen is None:
+      return None
+    factor = size // symbol ** int(exp)
+    return int(factor) * self.rows_seen ** int(exp) if is_constant(factor) else None
+
   def _checked(self, eqn: Any, position: int, kind: Kind) -> Kind:
     """A batch-dependent result whose other dimensions follow the number of rows: each
-    example's block would differ between the per-device and the global program. And a
-    scaled value in an integer type narrow enough to wrap (a uint8 sum of ``n`` tens) no
-    longer scales as a power of the rows."""
+    example's block would differ between the per-device and the global program. A scaled
+    value in an integer type narrow enough to wrap (a uint8 sum of ``n`` tens) no longer
+    scales as a power of the rows, and a sum over the examples in such a type may wrap
+    globally where no device's sum does, unless its bound fits the type at the rows seen."""
     dtype = getattr(eqn.outvars[position].aval, "dtype", None)
-    if kind.exp not in (0.0, None) and dtype is not None and np.issubdtype(
-        dtype, np.integer) and np.dtype(dtype).itemsize < 4:
+    narrow = dtype is not None and jax.dtypes.issubdtype(dtype, np.integer) and np.dtype(
+        dtype).itemsize < 4
+    if kind.exp not in (0.0, None) and narrow:
       kind = dataclasses.replace(kind, exp=None)
+    if isinstance(kind, Stat) and not kind.mixed and narrow and (
+        eqn.outvars[position] not in self.bounds):
+      return dataclasses.replace(kind, mixed=with_place(
+          eqn, f"a sum over the examples in {np.dtype(dtype)} may wrap at "
+          f"{self.rows_seen or 'some number of'} rows where no device's sum does"))
     if isinstance(kind, (Const, Top)) or kind.mixed:
       return kind
     scaled = self.pairing.scaled_dims(eqn, position, out=True) - (

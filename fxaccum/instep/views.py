@@ -253,6 +253,7 @@ def _analyses(config: Config, layout: meshes.Layout, call: Call, paired: bool):
   micro = micro_batch_avals(config, call)
   leaves = [_gathered(leaf, axes) for leaf in call.diff_leaves]
   rows, devices = jax.tree.leaves(micro)[0].shape[0], layout.data_devices
+  rows_seen = rows  # the global micro-batch's, where the analysis reads a symbolic size
   paired = paired and devices > 1
   n_diff, n_micro = len(call.diff_leaves), len(jax.tree.leaves(micro))
 
@@ -276,7 +277,8 @@ def _analyses(config: Config, layout: meshes.Layout, call: Call, paired: bool):
     return analysis_lib.analyze(
         closed, rows=rows, batch_inputs=range(n_diff, n_diff + n_micro),
         param_inputs=range(n_diff), partner=partner,
-        partner_rows=rows // devices if partner is not None else None), _roles(
+        partner_rows=rows // devices if partner is not None else None,
+        rows_seen=rows_seen), _roles(
             closed, aux, state, sown, n_diff, n_micro), aux, closed.jaxpr
 
   if paired:

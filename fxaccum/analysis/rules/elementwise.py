@@ -53,7 +53,8 @@ _SAME = frozenset({"neg", "convert_element_type", "copy", "copy_p", "reduce_prec
 _SCALE_FREE = frozenset({"sign", "eq", "ne", "lt", "le", "gt", "ge", "is_finite"})
 
 
-# Integer ops for which a common factor of the operands does not factor out of the result.
+# Integer ops for which a common factor of the operands does not factor out of the result,
+# and whose results per device do not add up to the global one (they round, keep bits).
 _INEXACT_INT = frozenset({"div", "rem", "and", "or", "xor", "not", "shift_left",
                           "shift_right_logical", "shift_right_arithmetic", "population_count",
                           "clz", "pow"})
@@ -64,8 +65,7 @@ def _exp_of(eqn, kinds) -> Exp:
   name = eqn.primitive.name
   if name == "select_n":  # which operand is picked must not follow the rows
     return common_exp(kinds[1:]) if kinds[0].exp == 0 else None
-  dtype = getattr(eqn.outvars[0].aval, "dtype", None)
-  if dtype is not None and jax.dtypes.issubdtype(dtype, np.integer) and name in _INEXACT_INT:
+  if name in _INEXACT_INT and _integral(eqn):
     return 0.0 if all(k.exp == 0 for k in kinds) else None  # e.g. floor division
   if name == "mul":
     return add_exps(kinds)
@@ -152,6 +152,9 @@ def _linear(eqn: Any, kinds: Operands, exp: Exp) -> Stat:
   def nonlinear(what):
     return Stat(inherited or with_place(eqn, what), exp)
 
+  if name in _INEXACT_INT and _integral(eqn):  # floor(a) + floor(b) is not floor(a + b)
+    return nonlinear(f"integer {name} of a batch statistic is not additive (per device, "
+                     "the devices' results would not add up to the global one)")
   if name == "convert_element_type" and _lossy_cast(eqn):
     return nonlinear(f"casts a batch statistic to {jnp.dtype(eqn.params['new_dtype'])}")
   if name in ("convert_element_type", "copy", "reduce_precision", "stop_gradient",
@@ -188,6 +191,12 @@ def _linear(eqn: Any, kinds: Operands, exp: Exp) -> Stat:
     if all(isinstance(c, Stat) for c in kinds[1:]) and exp is not None:
       return Stat(inherited, exp)
   return nonlinear(f"applies {name} to a batch statistic")
+
+
+def _integral(eqn) -> bool:
+  """Whether an op's result is of an integer type (its arithmetic rounds or wraps)."""
+  dtype = getattr(eqn.outvars[0].aval, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, np.integer)
 
 
 def _lossy_cast(eqn) -> bool:
