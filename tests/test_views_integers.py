@@ -57,6 +57,15 @@ def wrapping_count(w, b):  # a uint8 count over more rows than it holds
   return fxaccum.Weighted(_total(w, x, m), jnp.sum(m)), {"n": fxaccum.Sum(_u8_count(m))}
 
 
+def per_example_integer_ops(w, b):  # integer ops within each example: no statistic
+  x, m = b
+  ids = (jnp.abs(x[:, 0]) * 10).astype(jnp.int32)
+  return fxaccum.Weighted(_total(w, x, m), jnp.sum(m)), {
+      "sum": fxaccum.Sum(jnp.sum(ids // 3 + (ids % 4) + (ids >> 1))),
+      "max": fxaccum.Max(jnp.max(lax.div(ids, 2))), "min": fxaccum.Min(jnp.min(ids & 6)),
+      "rows": fxaccum.Concat(ids // 2)}
+
+
 def _reference(loss, w, batch, k):
   """The contract over the global micro-batches: Weighted totals over weights (a scalar
   loss: the mean), Sum aux added, Weighted aux totals over weights."""
@@ -74,6 +83,14 @@ def _reference(loss, w, batch, k):
   for name, leaf in outs[0][1].items():
     if isinstance(leaf, fxaccum.Sum):
       aux[name] = sum(np.int64(o[1][name].value) for o in outs)
+    elif isinstance(leaf, (fxaccum.Max, fxaccum.Min)):
+      pick = max if isinstance(leaf, fxaccum.Max) else min
+      aux[name] = pick(int(o[1][name].value) for o in outs)
+    elif isinstance(leaf, fxaccum.Concat):  # the rows put back in the batch's order
+      rows = np.zeros(len(batch[0]), np.int64)
+      for i, o in enumerate(outs):
+        rows[i::k] = o[1][name].value
+      aux[name] = rows
     else:
       aux[name] = sum(float(o[1][name].total) for o in outs) / sum(
           float(o[1][name].weight) for o in outs)
@@ -123,5 +140,13 @@ def test_a_narrow_count_that_wraps_takes_the_global_view(axis_type, k):
 def test_a_narrow_count_that_cannot_wrap_keeps_the_device_view():
   """64 flags in uint8 cannot wrap at the 32 rows of a global micro-batch."""
   view, got, expected = _run(wrapping_count, 64, 2, AXIS_TYPES[1])
+  assert view == "device"
+  assert_tree_close(got, expected)
+
+
+def test_integer_ops_within_each_example_keep_the_device_view():
+  """`ids // 3`, `ids % 4`, shifts, `lax.div`, `&` per example, then summed, maximized or
+  concatenated: per-example terms, the device view, exact."""
+  view, got, expected = _run(per_example_integer_ops, 64, 2, AXIS_TYPES[1])
   assert view == "device"
   assert_tree_close(got, expected)
