@@ -258,8 +258,8 @@ def random_gamma(ctx: Context, kinds: Operands) -> Out:
   key_ndim = len(shape_of(eqn.invars[0]))
   ok = exp is not None and dim < key_ndim and all(
       (isinstance(k, Rows) and k.dim == dim) or (isinstance(k, Const) and uniform_at(
-          k, v, out_shape if k is shape else shape_of(v), dim))
-      for k, v in zip(kinds, eqn.invars, strict=True))
+          k, v, out_shape if i == 1 else shape_of(v), dim))
+      for i, (k, v) in enumerate(zip(kinds, eqn.invars, strict=True)))
   mixed = first_mixed(rows) or misaligned(eqn, rows) or (None if ok else with_place(
       eqn, "gamma draws from one key for several examples, or of values that scale with "
       "the micro-batch size"))
