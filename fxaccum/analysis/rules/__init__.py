@@ -7,6 +7,7 @@ table.
 * :mod:`.shapes`: broadcasts, reshapes, transposes, concatenations, ``iota``;
 * :mod:`.indexing`: slices, padding, ``gather``, ``scatter``, ``sort``;
 * :mod:`.contractions`: ``dot_general``, convolutions;
+* :mod:`.linalg`: Fourier transforms, the LU decomposition;
 * :mod:`.collectives`: collectives and placements (sharding constraints);
 * :mod:`.control_flow`: calls, ``shard_map``, ``scan``, ``while``, ``cond``;
 * :mod:`.common`: helpers they share.
@@ -22,9 +23,10 @@ from fxaccum.analysis.rules import (
     control_flow,
     elementwise,
     indexing,
+    linalg,
     reductions,
     shapes,
 )
 
 __all__ = ["CALL_RULES", "RULES", "collectives", "contractions", "control_flow", "elementwise",
-           "indexing", "reductions", "shapes"]
+           "indexing", "linalg", "reductions", "shapes"]

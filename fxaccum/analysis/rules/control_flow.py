@@ -33,7 +33,7 @@ from fxaccum.analysis.kinds import (
 from fxaccum.analysis.registry import Context, Operands, Out, Result, Rule, register_call
 from fxaccum.jaxprs import scan_counts
 
-__all__ = ["cond", "fixpoint", "scan", "shard_map", "while_loop"]
+__all__ = ["cond", "custom_linear_solve", "fixpoint", "scan", "shard_map", "while_loop"]
 
 
 def fixpoint(body: Callable[[list[Kind]], list[Kind]], carry: list[Kind]) -> list[Kind]:
@@ -60,6 +60,20 @@ register_call("jit", "pjit", "remat2", "checkpoint")(_call("jaxpr"))
 # primal runs.
 register_call("closed_call", "core_call", "custom_jvp_call", "custom_vjp_call")(
     _call("call_jaxpr"))
+
+
+@register_call("custom_linear_solve")
+def custom_linear_solve(ctx: Context, kinds: Operands) -> Out:
+  """``lax.custom_linear_solve`` (``jnp.linalg.solve``): it runs its ``solve`` jaxpr on
+  that jaxpr's operands and ``b`` (its derivatives are other equations of the step)."""
+  lengths = list(ctx.eqn.params["const_lengths"])
+  start = sum(lengths[:2])  # the operands: matvec's, vecmat's, solve's, transpose_solve's, b
+  stop = start + lengths[2]
+  used = [*range(start, stop), *range(sum(lengths), len(kinds))]
+  sources = {i: ctx.sources[pos] for i, pos in enumerate(used) if pos in ctx.sources}
+  outs = ctx.inner(ctx.eqn.params["jaxprs"].solve, [kinds[pos] for pos in used], sources)
+  unused = frozenset(q for pos, q in ctx.sources.items() if pos not in used)
+  return Result(outs, not_reducible=unused)
 
 
 @register_call("shard_map")

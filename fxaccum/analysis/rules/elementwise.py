@@ -23,14 +23,14 @@ from fxaccum.analysis.kinds import Const, Exp, Rows, Stat, Top, add_exps, common
 from fxaccum.analysis.registry import Context, Operands, Out, register
 from fxaccum.analysis.rules.common import const_uniform, first_mixed, misaligned, uniform_at
 
-__all__ = ["ELEMENTWISE", "elementwise", "random_keys"]
+__all__ = ["ELEMENTWISE", "elementwise", "random_gamma", "random_keys"]
 
 ELEMENTWISE = frozenset("""
     abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
     bitcast_convert_type cbrt ceil clamp clz complex conj convert_element_type copy
-    copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma
-    igamma_grad_a igammac imag integer_pow is_finite le lgamma log log1p log2 logistic
-    lt max min mul ne neg nextafter not one_minus_square or polygamma polynomial
+    copy_p cos cosh digamma div eq eq_to erf erf_inv erfc exp exp2 expm1 floor ge gt
+    igamma igamma_grad_a igammac imag integer_pow is_finite le le_to lgamma log log1p log2
+    logistic lt lt_to max min mul ne neg nextafter not one_minus_square or polygamma polynomial
     population_count pow random_fold_in random_seed random_gamma_grad real
     reduce_precision regularized_incomplete_beta rem round rsqrt select_n shift_left
     shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient
@@ -50,7 +50,8 @@ _FOLD: dict[str, Callable[..., Any]] = {
 _SAME = frozenset({"neg", "convert_element_type", "copy", "copy_p", "reduce_precision",
                    "stop_gradient", "real", "imag", "conj", "abs", "add", "add_any", "sub",
                    "max", "min", "select_n", "clamp", "complex"})
-_SCALE_FREE = frozenset({"sign", "eq", "ne", "lt", "le", "gt", "ge", "is_finite"})
+_SCALE_FREE = frozenset({"sign", "eq", "ne", "lt", "le", "gt", "ge", "is_finite", "eq_to",
+                         "lt_to", "le_to"})  # the last three: total orders (searchsorted)
 
 
 # Integer ops for which a common factor of the operands does not factor out of the result,
@@ -185,10 +186,14 @@ def _linear(eqn: Any, kinds: Operands, exp: Exp) -> Stat:
       return dataclasses.replace(nonlinear(
           "divides by or multiplies two batch statistics (e.g. a ratio to this "
           "micro-batch's token count): not a sum over examples"), ratio=name == "div")
-    return Stat(inherited, exp) if exp is not None else nonlinear(
-        "scales a batch statistic by a value that is no power of the micro-batch size")
+    if exp is None:
+      return nonlinear("scales a batch statistic by a value that is no power of the "
+                       "micro-batch size")
+    return Stat(inherited, exp, extreme=_scaled_extreme(eqn, kinds))
   if name == "select_n" and isinstance(kinds[0], Const):
-    if all(isinstance(c, Stat) for c in kinds[1:]) and exp is not None:
+    # Each element one of the statistics, or an exact zero (``jnp.trace``'s mask): linear.
+    if all(isinstance(c, Stat) or (isinstance(c, Const) and c.value == 0)
+           for c in kinds[1:]) and exp is not None:
       return Stat(inherited, exp)
   return nonlinear(f"applies {name} to a batch statistic")
 
@@ -197,6 +202,19 @@ def _integral(eqn) -> bool:
   """Whether an op's result is of an integer type (its arithmetic rounds or wraps)."""
   dtype = getattr(eqn.outvars[0].aval, "dtype", None)
   return dtype is not None and jax.dtypes.issubdtype(dtype, np.integer)
+
+
+def _scaled_extreme(eqn: Any, kinds: Operands) -> str | None:
+  """The extreme a maximum (minimum) over the examples stays when multiplied or divided
+  by a known, finite, batch-independent constant (fp8's ``amax / 448``): a positive one
+  keeps it, a negative one swaps it; in floating point only (rounding is monotone)."""
+  stat = next(k for k in kinds if isinstance(k, Stat))
+  const = next((k for k in kinds if isinstance(k, Const)), None)
+  if (stat.extreme is None or const is None or const.value is None or const.exp != 0
+      or not np.isfinite(const.value) or const.value == 0
+      or not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)):
+    return None
+  return stat.extreme if const.value > 0 else {"max": "min", "min": "max"}[stat.extreme]
 
 
 def _lossy_cast(eqn) -> bool:
@@ -229,3 +247,29 @@ def random_keys(ctx: Context, kinds: Operands) -> Out:
   if isinstance(kind, Rows):
     return [Rows(kind.dim, kind.mixed, exp, kind.order)] * outs
   return [Top(with_place(eqn, "random numbers from a batch statistic"))] * outs
+
+
+@register("random_gamma")
+def random_gamma(ctx: Context, kinds: Operands) -> Out:
+  """Gamma draws: each key (the keys' dims lead the shapes') draws the elements of its
+  block of ``a``. Per-example keys, or one key broadcast to every example, keep examples
+  apart; one key drawing for the whole batch gives values that depend on the position."""
+  eqn = ctx.eqn
+  key, shape = kinds
+  out_shape = shape_of(eqn.outvars[0])
+  exp = 0.0 if key.exp == 0 and shape.exp == 0 else None
+  rows = [k for k in kinds if isinstance(k, Rows)]
+  if not rows:
+    if all(isinstance(k, Const) for k in kinds):  # draws by position: as many as the rows?
+      return Const(exp=None if ctx.scaled_dims(0) | ctx.scaled_dims(1) else exp)
+    return Top(with_place(eqn, "gamma draws from a batch statistic"))
+  dim = rows[0].dim
+  key_ndim = len(shape_of(eqn.invars[0]))
+  ok = exp is not None and dim < key_ndim and all(
+      (isinstance(k, Rows) and k.dim == dim) or (isinstance(k, Const) and uniform_at(
+          k, v, out_shape if i == 1 else shape_of(v), dim))
+      for i, (k, v) in enumerate(zip(kinds, eqn.invars, strict=True)))
+  mixed = first_mixed(rows) or misaligned(eqn, rows) or (None if ok else with_place(
+      eqn, "gamma draws from one key for several examples, or of values that scale with "
+      "the micro-batch size"))
+  return Rows(dim, mixed, exp, rows[0].order)

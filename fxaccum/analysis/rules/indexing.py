@@ -27,6 +27,9 @@ from fxaccum.analysis.rules.common import (
 __all__ = ["dynamic_update_slice", "gather", "scatter", "sort"]
 
 
+_TOP_K = ("top_k", "approx_top_k")  # the values, and their positions
+
+
 def _along_batch(what: str, acted: Callable[[Any], set[int]]) -> Rule:
   """Ops on one operand (plus positions) that keep examples apart unless they act along
   the batch axis. ``acted(eqn)``: the dimensions the op moves or selects elements along."""
@@ -56,7 +59,7 @@ def _along_batch(what: str, acted: Callable[[Any], set[int]]) -> Rule:
       if scaled - {kind.dim}:
         ok = False
       mixed = kind.mixed or (None if ok else with_place(eqn, f"{what} along the batch axis"))
-      if name == "top_k":  # the values, and their positions
+      if name in _TOP_K:  # the values, and their positions
         return [Rows(kind.dim, mixed, kind.exp, order),
                 Rows(kind.dim, mixed, index_exp(kind), order)]
       return [Rows(kind.dim, mixed, kind.exp, order)] * outs
@@ -75,7 +78,7 @@ def _along_batch(what: str, acted: Callable[[Any], set[int]]) -> Rule:
         exp = common_exp(kinds) if exp is not None else None
         if value is None or rest[0].value != value:
           uniform, value = uniform - dims, None
-      elif name == "top_k":  # the values, and their positions (no known value)
+      elif name in _TOP_K:  # the values, and their positions (no known value)
         uniform = uniform - dims
         return [Const(uniform, value, exp),
                 Const(uniform, None, None if exp is None else 0.0)]
@@ -99,6 +102,8 @@ register("dynamic_slice")(_along_batch("a dynamic slice", _sliced_dims))
 register("pad")(_along_batch("padding", _padded_dims))
 register("split")(_along_batch("a split", lambda e: {e.params["axis"]}))
 register("top_k")(_along_batch("top_k", lambda e: {len(shape_of(e.invars[0])) - 1}))
+register("approx_top_k")(_along_batch("approx_top_k", lambda e: {
+    e.params["reduction_dimension"] % len(shape_of(e.invars[0]))}))
 
 
 @register("dynamic_update_slice")
@@ -150,7 +155,12 @@ def _gather_kind(ctx: Context, kinds: Operands, moves: bool) -> Kind:
   scaled_selected = ctx.scaled_dims(0) & selected
   if isinstance(operand, Const) and isinstance(indices, Const):
     changes = moves or not scaled_selected <= operand.uniform
-    return Const(exp=None if changes else operand.exp)
+    # Uniform along each dim the gather takes whole from 0 (a slice, as a symbolic size
+    # spells ``x[:, :1]``): ctc_loss's recursion starts from such a slice of constants.
+    taken = _offsets(dn, len(op_shape))
+    uniform = {out: d for d, out in taken.items() if d in operand.uniform
+               and d not in selected}
+    return Const(frozenset(uniform), exp=None if changes else operand.exp)
   if isinstance(operand, Stat) or isinstance(indices, Stat):
     return Top(with_place(eqn, "a gather that involves a batch statistic"))
   rows = [k for k in kinds if isinstance(k, Rows)]
@@ -172,16 +182,28 @@ def _gather_kind(ctx: Context, kinds: Operands, moves: bool) -> Kind:
       paired = False
     return Rows(dim, mixed or (None if paired else with_place(
         eqn, "a gather of other examples' values")), operand.exp, indices.order)
-  # Rows operand, batch-independent indices: the batch axis must be sliced whole.
+  # Rows operand, batch-independent indices: the batch axis must be sliced whole, or be a
+  # batching dim whose indices are the same for every example (searchsorted under vmap).
   dim = operand.dim
+  if dim in dn.operand_batching_dims:
+    idx_dim = dn.start_indices_batching_dims[list(dn.operand_batching_dims).index(dim)]
+    same = uniform_at(indices, eqn.invars[1], idx_shape, idx_dim)
+    ok = same and not moves and not (scaled_selected - {dim})
+    return Rows(batch_out[idx_dims.index(idx_dim)], mixed or (None if ok else with_place(
+        eqn, "a gather at positions that differ from example to example")), operand.exp,
+        operand.order)
   whole = (dim not in dn.start_index_map and dim not in dn.collapsed_slice_dims
            and dim not in dn.operand_batching_dims and slice_sizes[dim] == op_shape[dim])
   if not whole or moves or scaled_selected:
     return Top(with_place(eqn, "a gather that selects examples"))
-  offset_operand_dims = [d for d in range(len(op_shape))
+  return Rows(_offsets(dn, len(op_shape))[dim], mixed, operand.exp, operand.order)
+
+
+def _offsets(dn: Any, ndim: int) -> dict[int, int]:
+  """A gather's operand dims that are offset dims, and where each lands in the result."""
+  offset_operand_dims = [d for d in range(ndim)
                          if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
-  return Rows(dn.offset_dims[offset_operand_dims.index(dim)], mixed, operand.exp,
-              operand.order)
+  return dict(zip(offset_operand_dims, dn.offset_dims, strict=True))
 
 
 class _Scatter(NamedTuple):

@@ -17,7 +17,7 @@ from fxaccum.analysis.registry import Context, Operands, Out, register
 from fxaccum.analysis.rules.common import first_mixed, map_uniform, misaligned, uniform_at
 
 __all__ = ["broadcast_in_dim", "concatenate", "dim_as_value", "iota", "reshape", "squeeze",
-           "transpose"]
+           "stack", "tile", "transpose", "unstack"]
 
 
 @register("broadcast_in_dim")
@@ -124,6 +124,76 @@ def concatenate(ctx: Context, kinds: Operands) -> Out:
     return Stat(first_mixed(stats) or (None if ok else with_place(
         eqn, "a concatenation of statistics and constants")), exp)
   return Const(exp=None if scaled else exp)
+
+
+@register("stack")
+def stack(ctx: Context, kinds: Operands) -> Out:
+  """A stack (``jnp.stack``) along a new axis of values batched alike: each example's
+  values side by side, the batch axis moved past the new one if it was at or after it."""
+  eqn = ctx.eqn
+  axis = eqn.params["axis"]
+  out_shape = shape_of(eqn.outvars[0])
+  exp = common_exp(kinds)
+  new = {d: d if d < axis else d + 1 for d in range(len(out_shape) - 1)}
+  rows = [k for k in kinds if isinstance(k, Rows)]
+  if rows:
+    dim = new[rows[0].dim]
+    ok = exp is not None and all(
+        (isinstance(k, Rows) and new[k.dim] == dim) or (isinstance(k, Const) and (
+            k.value is not None or rows[0].dim in k.uniform))
+        for k in kinds)
+    mixed = first_mixed(rows) or misaligned(eqn, rows)
+    return Rows(dim, mixed or (None if ok else with_place(
+        eqn, "a stack of values batched in different ways")), exp, rows[0].order)
+  stats = [k for k in kinds if isinstance(k, Stat)]
+  if stats:
+    ok = all(isinstance(k, Stat) for k in kinds) and exp is not None
+    return Stat(first_mixed(stats) or (None if ok else with_place(
+        eqn, "a stack of statistics and constants")), exp)
+  values = {k.value for k in kinds}
+  uniform = frozenset.intersection(*(map_uniform(k.uniform, new) for k in kinds))
+  value = values.pop() if len(values) == 1 else None
+  return Const(uniform | ({axis} if value is not None else frozenset()), value, exp)
+
+
+@register("unstack")
+def unstack(ctx: Context, kinds: Operands) -> Out:
+  """An unstack (a stack's transpose) along another axis than the batch's: each result
+  holds every example's slice. Along the batch axis each result is one example."""
+  eqn = ctx.eqn
+  axis = eqn.params["axis"]
+  kind = kinds[0]
+  outs = len(eqn.outvars)
+  if isinstance(kind, Rows) and kind.dim == axis:
+    return [Top(with_place(eqn, "an unstack along the batch axis"))] * outs
+  scaled = axis in ctx.scaled_dims(0)
+  kept = {d: d if d < axis else d - 1 for d in range(len(shape_of(eqn.invars[0]))) if d != axis}
+  if isinstance(kind, Rows):
+    return [dataclasses.replace(kind, dim=kept[kind.dim])] * outs
+  if isinstance(kind, Const):
+    return [Const(map_uniform(kind.uniform, kept), kind.value,
+                  None if scaled else kind.exp)] * outs
+  return [kind] * outs  # a statistic's slices: sums still
+
+
+@register("tile")
+def tile(ctx: Context, kinds: Operands) -> Out:
+  """A tile (``jnp.tile``) repeating along other dims than the batch axis: each example
+  repeated within its block. Repeating along the batch axis puts other examples into a
+  block."""
+  eqn = ctx.eqn
+  kind = kinds[0]
+  reps = tuple(eqn.params["reps"])
+  repeated = {d for d, r in enumerate(reps) if r != 1}
+  if isinstance(kind, Rows):
+    if kind.dim in repeated:
+      return dataclasses.replace(kind, mixed=kind.mixed or with_place(
+          eqn, "a tile along the batch axis (other examples within a block)"))
+    return kind
+  if isinstance(kind, Stat):
+    return kind  # copies of a sum are sums
+  return Const(kind.uniform, kind.value, kind.exp if not (
+      ctx.scaled_dims(0) & repeated) else None)
 
 
 @register("iota")
