@@ -101,8 +101,9 @@ def study(args: argparse.Namespace) -> None:
         f"{jax.device_count()} x {jax.devices()[0].platform}\n")
   print("\n".join(lines))
   sizes = {"width": cfg["width"], "seq": cfg["seq"]} if args.quick else {}
-  print("\n" + memory_table(ks, mesh, **sizes))
-  print("\n" + growth_table(ks, mesh, **sizes))
+  if len(ks) > 1:  # memory against k needs two k at least
+    print("\n" + memory_table(ks, mesh, **sizes))
+    print("\n" + growth_table(ks, mesh, **sizes))
 
 
 def mlp_stages(rng, width: int) -> dict:

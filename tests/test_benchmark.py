@@ -100,12 +100,12 @@ def test_one_device_quick_run(tmp_path):
 def test_pipeline_schedules_quick_run():
   """run.py --study schedules at tiny sizes: every schedule's gradient matches the 8 layers
   run on one device, at each k, and the bubble is the schedule's formula."""
-  out = run_script("benchmarks/run.py", "--study", "schedules", "--quick", "--ks", "4,8",
-                   "--repeats", "1")
+  out = run_script("benchmarks/run.py", "--study", "schedules", "--quick", "--ks", "4",
+                   "--repeats", "1")  # one k: the suite's time; tests/test_pipeline.py sweeps k
   table = out[out.index("| k | schedule |"):].split("\n\n")[0].splitlines()[2:]
   rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
   assert {(r[0], r[1].split(",")[0]) for r in rows} == {
-      (k, s) for k in ("4", "8") for s in ("gpipe", "circular", "1f1b")}, rows
+      ("4", s) for s in ("gpipe", "circular", "1f1b")}, rows
   for k, schedule, _, _, _, bubble, err in rows:
     assert float(err) < 1e-5, (k, schedule, err)
     stages, repeats = 4, 2 if schedule.startswith("circular") else 1
