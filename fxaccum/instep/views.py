@@ -407,13 +407,11 @@ def _device(config: Config, layout: meshes.Layout, path: paths.Path, call: Call,
     aux_specs = found["specs"]
   def region(check_vma: bool):
     chosen.clear()
-    return meshes.shard_map_keeping_axes(
-        local, mesh=layout.mesh, in_specs=in_specs, out_specs=((P(), aux_specs, P()),
-                                                               grad_specs, P()),
-        axis_names=set(axes), check_vma=check_vma)(diff_leaves, rest, arrays, state)
+    return meshes.shard_map_keeping_axes(local, mesh=layout.mesh, in_specs=in_specs, out_specs=(
+        (P(), aux_specs, P()), grad_specs, P()), axis_names=set(axes), check_vma=check_vma)(
+            diff_leaves, rest, arrays, state)
 
-  scope = paths.record(path)
-  with jax.named_scope(scope):
+  with jax.named_scope(scope := paths.record(path)):
     value_aux, grad_leaves, after = _typed_or_not(config, region)
   if chosen:
     paths.amend(scope, fsdp=f"{chosen[0].strategy}: {chosen[0].reason}")
