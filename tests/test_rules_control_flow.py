@@ -44,7 +44,11 @@ CASES = [
     ok("reshape", lambda x, w: lax.map(lambda r: jnp.tanh(r @ w), x, batch_size=4)),
     ok("scan", _blocks_mean),
     no("scan", lambda x, w: lax.map(lambda r: r - x.mean(0), x, batch_size=4),
-       reason="statistic of the whole batch"),
+       reason="reads the whole batch"),
+    no("scan", lambda x, w: lax.map(lambda r: jnp.sum(r) + 0 * jnp.sum(x), x, batch_size=4)
+       .sum(), reason="reads the whole batch"),
+    no("scan", lambda x, w: lax.scan(lambda c, b: (c + jnp.sum(x), None), 0.0,
+                                     x.reshape(2, 4, 4))[0], reason="reads the whole batch"),
     no("scan", lambda x, w: lax.scan(lambda c, b: (c, b - b.mean(0)), 0.0,
                                      x.reshape(2, 4, 4))[1].reshape(ROWS, 4),
        reason="statistic"),
@@ -96,7 +100,7 @@ def test_blocked_is_a_plain_top_to_other_rules():
   """Blocked rows are Top to every rule but the reshape and the scan over blocks: a join
   with anything else, or any other op, forgets the blocks."""
   blocked = Blocked("split", 0.0, 0, 4)
-  assert isinstance(blocked, Top) and plain(blocked) == Top("split", 0.0)
+  assert isinstance(blocked, Top) and plain(blocked) == Top("split")
   assert join(blocked, blocked) == blocked
   assert type(join(blocked, Top("other"))) is Top
   (out,) = _analysis(Case("", False, lambda x, w: jnp.tanh(x.reshape(2, 4, 4))))[1].outputs

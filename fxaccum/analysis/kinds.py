@@ -74,7 +74,7 @@ Kind = Const | Rows | Stat | Top
 
 def plain(kind: Kind) -> Kind:
   """``kind``, a :class:`Blocked` value as the plain :class:`Top` it is to other rules."""
-  return Top(kind.mixed, kind.exp) if isinstance(kind, Blocked) else kind
+  return Top(kind.mixed) if isinstance(kind, Blocked) else kind
 
 
 def mixing(kind: Kind) -> str | None:

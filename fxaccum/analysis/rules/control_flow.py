@@ -199,9 +199,9 @@ def _scan_over_blocks(ctx: Context, kinds: Operands,
                       body_sources: dict[int, int]) -> list[Kind]:
   """A scan over blocks of consecutive examples (``lax.map(f, x, batch_size=b)``, and its
   transpose): each iteration's slice holds ``b`` examples, so the body is analyzed on
-  them (in an order of their own: never aligned with the whole batch's rows). Every
-  batch-dependent ``xs`` must be blocked alike, every carry only accumulate; its ``ys``
-  are blocked again, its accumulators sum statistics of the blocks."""
+  them (in an order of their own). Every batch-dependent ``xs`` must be blocked alike,
+  every constant batch-independent, every carry only accumulate; its ``ys`` are blocked
+  again, its accumulators sum statistics of the blocks."""
   eqn = ctx.eqn
   p = eqn.params
   n_consts, n_carry = scan_counts(p)
@@ -211,6 +211,12 @@ def _scan_over_blocks(ctx: Context, kinds: Operands,
   if not all(isinstance(k, Const) or (isinstance(k, Blocked) and k.dim == 0 and (
       k.block, k.order) == (blocked.block, blocked.order)) for k in xs):
     return refused
+  # A batch-dependent constant (all rows, a batch statistic) would be read by every block:
+  # a statistic of it added up per block counts its examples once per block.
+  if not all(isinstance(k, Const) for k in kinds[:n_consts]):
+    return [Top(mixing(next(k for k in kinds[:n_consts] if not isinstance(k, Const))) or
+                with_place(eqn, "a scan over blocks of examples whose body reads the whole "
+                           "batch"))] * len(eqn.outvars)
   body = p["jaxpr"]
   if not all(_accumulates(body.jaxpr, i, n_consts, n_carry) for i in range(n_carry)) or any(
       _read_while_it_grows(body.jaxpr, i, n_consts) for i in range(n_carry)):
