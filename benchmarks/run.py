@@ -10,8 +10,9 @@ Run from the repository root::
 (``--quick`` and ``--out`` apply, and the options the module's ``study`` names):
 ``fsdp`` (fsdp.py: ``fsdp="auto"`` against each FSDP strategy), ``schedules``
 (schedules.py: the pipeline schedules), ``plan`` (plan.py: ``fxaccum.plan_micro_batches``
-at three budgets) and ``one-device`` (one_device.py: fxaccum's loop against plain scan's on
-one device, made for a GPU).
+at three budgets), ``one-device`` (one_device.py: fxaccum's loop against plain scan's on
+one device, made for a GPU) and ``coverage`` (coverage.py: which primitives that jax.numpy,
+jax.nn, jax.random, optax's losses and flax's layers emit have a rule in the view analysis).
 
 One Adam optimizer step on the same model and global batch, for every (layout, model) setup,
 method and number ``k`` of micro-batches per optimizer step. Layouts (``common.LAYOUTS``):
@@ -107,7 +108,7 @@ from fxaccum import diagnostics
 
 # --study NAME -> the module whose ``study(args)`` runs it (imported when chosen)
 STUDIES = {"fsdp": "fsdp", "schedules": "schedules", "plan": "plan",
-           "one-device": "one_device"}
+           "one-device": "one_device", "coverage": "coverage"}
 PIPELINE = "pipeline"  # fxaccum.pipeline against the same model without one (pipeline.py)
 SETUPS = ("replicated/mlp", "replicated/lm", "fsdp/mlp", "fsdp/lm", "data_x_model/mlp",
           "replicated/bn_mlp", "replicated_auto/bn_mlp")

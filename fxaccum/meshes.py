@@ -475,7 +475,8 @@ def kept_axes(mesh: Any, axis_names: set[str]) -> tuple[str, ...]:
 
 
 def shard_map_keeping_axes(body: Callable[..., Any], *, mesh: Any, in_specs: Any,
-                           out_specs: Any, axis_names: set[str]) -> Callable[..., Any]:
+                           out_specs: Any, axis_names: set[str],
+                           check_vma: bool = True) -> Callable[..., Any]:
   """``jax.shard_map(body, ...)`` manual over ``axis_names``, whose arguments and results
   keep their sharding on the mesh's other ``Explicit`` axes (e.g. a tensor-parallel
   ``model`` axis) across the region's boundary.
@@ -486,13 +487,14 @@ def shard_map_keeping_axes(body: Callable[..., Any], *, mesh: Any, in_specs: Any
   on exit, although their types inside say they stay sharded. Around the shard_map those
   axes are made ``Auto`` (open dimensions: nothing moves), and inside the body ``Explicit``
   again with the arguments' own specs, so ``body`` sees the types it would see without
-  this wrapper. Without such axes this is plain ``jax.shard_map``.
+  this wrapper. Without such axes this is plain ``jax.shard_map``. ``check_vma`` is
+  ``jax.shard_map``'s.
   """
   abstract = _abstract(mesh)
   kept = kept_axes(mesh, axis_names)
   if not kept:
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names=axis_names)
+                         axis_names=axis_names, check_vma=check_vma)
   auto = {a: AxisType.Auto for a in kept}
   explicit = {a: AxisType.Explicit for a in kept}
   seen: dict[str, Any] = {}
@@ -512,7 +514,7 @@ def shard_map_keeping_axes(body: Callable[..., Any], *, mesh: Any, in_specs: Any
       args = jax.sharding.reshard(args, jax.tree.map(
           lambda a: _only(_entries(a), lambda x: x not in kept), args))
       out = jax.shard_map(inner, mesh=boundary, in_specs=in_specs, out_specs=out_specs,
-                          axis_names=axis_names)(*args)
+                          axis_names=axis_names, check_vma=check_vma)(*args)
 
     def merged(o, inside):  # the result's data-axis entries (out_specs), then the kept
       entries = []          # axes' entries it had inside the body

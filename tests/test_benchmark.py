@@ -4,9 +4,12 @@ Timings are never asserted: they are figures for docs/performance.md, not tests.
 """
 
 import json
+import re
 
 import pytest
-from helpers import run_script
+from helpers import ROOT, run_script
+
+from fxaccum.analysis.registry import CALL_RULES, RULES
 
 
 @pytest.mark.slow
@@ -125,3 +128,21 @@ def test_plan_study_run(tmp_path):
   assert [row["fits"] for row in table] == [False] * (len(table) - 1) + [True]
   assert table[-1]["micro_batches"] == result["micro_batches"]
   assert table[-1]["peak_bytes"] <= result["budget_bytes"] == 4 * 2**20
+
+
+def test_coverage_study_quick_run():
+  """run.py --study coverage --quick: the counts add up, every primitive it says has a
+  rule is in the analysis's registry, and every one in its table is not."""
+  # the registry of this checkout, wherever fxaccum is installed from
+  out = run_script("benchmarks/run.py", "--study", "coverage", "--quick",
+                   env={"PYTHONPATH": str(ROOT)})
+  seen, ruled, without = map(int, re.search(
+      r"primitives seen: (\d+), with a rule: (\d+), without: (\d+)", out).groups())
+  assert seen == ruled + without and ruled > 0, out
+  with_rule = out.split("with a rule: ")[-1].splitlines()[0].split(", ")
+  assert len(with_rule) == ruled and set(with_rule) <= set(RULES) | set(CALL_RULES), out
+  table = [line.split("|")[1].strip().strip("`") for line in out.splitlines()
+           if line.startswith("| `")]
+  assert len(table) == without, out
+  assert not set(table) & (set(RULES) | set(CALL_RULES)), table
+  assert {"dot_general", "reduce_sum"} <= set(with_rule), with_rule

@@ -55,9 +55,9 @@ from jax.extend import core as jcore
 
 from fxaccum.analysis import rules as _rules  # noqa: F401 - fills the registry
 from fxaccum.analysis.eqns import is_constant, with_place
-from fxaccum.analysis.kinds import Const, Kind, Rows, Stat, Top, Unpaired, mixing
+from fxaccum.analysis.kinds import Blocked, Const, Kind, Rows, Stat, Top, Unpaired, mixing, plain
 from fxaccum.analysis.pairing import Pairing
-from fxaccum.analysis.registry import CALL_RULES, RULES, Context, Out, Result
+from fxaccum.analysis.registry import CALL_RULES, READS_BLOCKS, RULES, Context, Out, Result
 from fxaccum.jaxprs import eqns_within
 
 __all__ = ["Const", "Rows", "Stat", "Top", "Analysis", "analyze", "depends_on", "mixing"]
@@ -244,7 +244,9 @@ class _Interpreter:
     if call_rule is not None:
       return self._merged(eqn, call_rule(ctx, kinds))
     self.not_reducible |= _used_params(eqn, kinds, sources)
-    tops = [k for k in kinds if isinstance(k, Top)]
+    if name not in READS_BLOCKS:
+      kinds = [plain(k) for k in kinds]
+    tops = [k for k in kinds if isinstance(k, Top) and not isinstance(k, Blocked)]
     if tops and name == "div" and isinstance(kinds[1], Stat):
       return [Stat(tops[0].mixed, None, ratio=True)]  # e.g. a total over a token count
     if tops:  # unknown structure in, unknown structure out
@@ -254,6 +256,9 @@ class _Interpreter:
       reason = with_place(eqn, f"{name}'s parameter {unexplained} depends on the number of rows")
       if all(isinstance(k, Const) for k in kinds):
         return [Const(exp=None)] * len(eqn.outvars)
+      # JAX spells some ops otherwise for a symbolic size (lax.map's batch_size splits
+      # off a remainder by gathers): the two programs that run may still pair.
+      self.sized_positions = self.sized_positions or self.pairing.symbol is not None
       return [Top(reason)] * len(eqn.outvars)
     rule = RULES.get(name)
     if rule is None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["Const", "Exp", "Kind", "Rows", "Stat", "Top", "Unpaired", "add_exps",
-           "common_exp", "join", "mixing"]
+__all__ = ["Blocked", "Const", "Exp", "Kind", "Rows", "Stat", "Top", "Unpaired", "add_exps",
+           "common_exp", "join", "mixing", "plain"]
 
 Exp = float | None  # the value scales as D ** exp; None: some other dependence on n
 
@@ -56,7 +56,25 @@ class Top:
   exp: Exp = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Blocked(Top):
+  """The batch axis split into blocks of consecutive examples: dims ``dim`` (the blocks)
+  and ``dim + 1`` (``block`` examples each, in ``order``), as ``lax.map(f, x,
+  batch_size=block)`` reshapes it. Every rule but the two that know it (the reshape that
+  makes or undoes it, a scan over the blocks) reads it as the :class:`Top` it is (see
+  :func:`plain`); ``mixed`` says so."""
+
+  dim: int = 0
+  block: int = 1
+  order: Any = 0
+
+
 Kind = Const | Rows | Stat | Top
+
+
+def plain(kind: Kind) -> Kind:
+  """``kind``, a :class:`Blocked` value as the plain :class:`Top` it is to other rules."""
+  return Top(kind.mixed) if isinstance(kind, Blocked) else kind
 
 
 def mixing(kind: Kind) -> str | None:
@@ -89,6 +107,7 @@ def join(a: Kind, b: Kind) -> Kind:
   """The kind of a value that may be ``a`` or ``b`` (loop carries, cond branches)."""
   if a == b:
     return a
+  a, b = plain(a), plain(b)
   if isinstance(a, Top):
     return a
   if isinstance(b, Top):

@@ -26,8 +26,8 @@ from fxaccum.analysis.eqns import with_place
 from fxaccum.analysis.kinds import Exp, Kind
 from fxaccum.analysis.pairing import Pairing
 
-__all__ = ["CALL_RULES", "RULES", "Context", "Inner", "Operands", "Out", "Result", "Rule",
-           "register", "register_call"]
+__all__ = ["CALL_RULES", "READS_BLOCKS", "RULES", "Context", "Inner", "Operands", "Out",
+           "Result", "Rule", "register", "register_call"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +122,16 @@ Rule = Callable[[Context, Operands], Out]
 
 RULES: dict[str, Rule] = {}
 CALL_RULES: dict[str, Rule] = {}
+# Primitives whose rules read :class:`~fxaccum.analysis.kinds.Blocked` operands; to every
+# other rule (and before every other primitive) they are the plain Top they are.
+READS_BLOCKS: set[str] = set()
 
 
-def register(*names: str) -> Callable[[Rule], Rule]:
-  """Registers a rule for the primitives ``names`` (see the module doc)."""
+def register(*names: str, reads_blocks: bool = False) -> Callable[[Rule], Rule]:
+  """Registers a rule for the primitives ``names`` (see the module doc); with
+  ``reads_blocks`` it is given :class:`~fxaccum.analysis.kinds.Blocked` operands."""
+  if reads_blocks:
+    READS_BLOCKS.update(names)
   return _adding_to(RULES, names)
 
 

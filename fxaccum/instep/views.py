@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -407,15 +407,32 @@ def _device(config: Config, layout: meshes.Layout, path: paths.Path, call: Call,
         probe, mesh=layout.mesh, in_specs=in_specs, out_specs=(), axis_names=set(axes)),
         diff_leaves, rest, arrays, state)
     aux_specs = found["specs"]
-  region = meshes.shard_map_keeping_axes(
-      local, mesh=layout.mesh, in_specs=in_specs,
-      out_specs=((P(), aux_specs, P()), grad_specs, P()), axis_names=set(axes))
-  scope = paths.record(path)
-  with jax.named_scope(scope):
-    value_aux, grad_leaves, after = region(diff_leaves, rest, arrays, state)
+  def region(check_vma: bool):
+    chosen.clear()
+    return meshes.shard_map_keeping_axes(local, mesh=layout.mesh, in_specs=in_specs, out_specs=(
+        (P(), aux_specs, P()), grad_specs, P()), axis_names=set(axes), check_vma=check_vma)(
+            diff_leaves, rest, arrays, state)
+
+  with jax.named_scope(scope := paths.record(path)):
+    value_aux, grad_leaves, after = _typed_or_not(config, region)
   if chosen:
     paths.amend(scope, fsdp=f"{chosen[0].strategy}: {chosen[0].reason}")
   return value_aux, _package(config, call, grad_leaves), after
+
+
+def _typed_or_not(config: Config, region: Callable[[bool], Any]) -> Any:
+  """``region(check_vma=True)``; where that fails only because a loop's carry starts
+  invariant and becomes varying over the data axes (flax ``nn.RNN`` starts its carry from
+  zeros: each device's carry then follows its rows), ``region(check_vma=False)``. Only
+  for ``view="auto"``: the analysis found no collective in the loss there, so the types
+  that ``check_vma`` checks change no value (the region's own reductions are after the
+  loop); a loss with collectives (``view="device"``) keeps the error."""
+  try:
+    return region(True)
+  except TypeError as err:
+    if config.view != "auto" or "manual axis types do not match" not in str(err):
+      raise
+  return region(False)
 
 
 def _aux_specs(aux: Any, batch_spec: P) -> Any:

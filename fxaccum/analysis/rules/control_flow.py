@@ -19,6 +19,7 @@ from jax.extend import core as jcore
 
 from fxaccum.analysis.eqns import with_place
 from fxaccum.analysis.kinds import (
+    Blocked,
     Const,
     Exp,
     Kind,
@@ -29,6 +30,8 @@ from fxaccum.analysis.kinds import (
     add_exps,
     common_exp,
     join,
+    mixing,
+    plain,
 )
 from fxaccum.analysis.registry import Context, Operands, Out, Result, Rule, register_call
 from fxaccum.jaxprs import scan_counts
@@ -98,7 +101,9 @@ def scan(ctx: Context, kinds: Operands) -> Out:
   looped = frozenset(param for pos, param in ctx.sources.items() if pos >= n_consts)
   body_sources = {pos: q for pos, q in ctx.sources.items() if pos < n_consts}
   xs = kinds[n_consts + n_carry:]
-  if "length" in ctx.changed or any(isinstance(k, Rows) and k.dim == 0 for k in xs):
+  if any(isinstance(k, Blocked) for k in xs):
+    outs = _scan_over_blocks(ctx, kinds, body_sources)
+  elif "length" in ctx.changed or any(isinstance(k, Rows) and k.dim == 0 for k in xs):
     outs = _scan_over_rows(ctx, kinds, body_sources)
   else:
     outs = _scan_over_layers(ctx, kinds, body_sources)
@@ -118,9 +123,9 @@ def _scan_over_layers(ctx: Context, kinds: Operands,
     if isinstance(k, Rows):
       sliced.append(dataclasses.replace(k, dim=k.dim - 1))
     elif isinstance(k, Const):
-      sliced.append(Const(frozenset(d - 1 for d in k.uniform if d > 0), k.value, k.exp))
+      sliced.append(_sliced_const(k))
     else:
-      sliced.append(k)
+      sliced.append(plain(k))
   body = p["jaxpr"]
 
   def step(carry_kinds: list[Kind]) -> list[Kind]:
@@ -133,10 +138,20 @@ def _scan_over_layers(ctx: Context, kinds: Operands,
     if isinstance(k, Rows):
       stacked.append(dataclasses.replace(k, dim=k.dim + 1))
     elif isinstance(k, Const):
-      stacked.append(Const(frozenset(d + 1 for d in k.uniform), exp=k.exp))
+      stacked.append(_stacked_const(k))
     else:
-      stacked.append(k)
+      stacked.append(plain(k))
   return [*carry, *stacked]
+
+
+def _sliced_const(k: Const) -> Const:
+  """One iteration's slice (along axis 0) of a batch-independent ``xs``."""
+  return Const(frozenset(d - 1 for d in k.uniform if d > 0), k.value, k.exp)
+
+
+def _stacked_const(k: Const) -> Const:
+  """Batch-independent ``ys``, stacked along a new axis 0."""
+  return Const(frozenset(d + 1 for d in k.uniform), exp=k.exp)
 
 
 def _scan_over_rows(ctx: Context, kinds: Operands,
@@ -160,19 +175,14 @@ def _scan_over_rows(ctx: Context, kinds: Operands,
   if any(isinstance(k, Rows) and k.dim != 0 for k in kinds[n_consts + n_carry:]):
     return [Top(with_place(eqn, "a scan over the batch axis"))] * outs
   partner = ctx.partner
-  count = (ctx.pairing.degree(p["length"]) if ctx.symbol is not None else
-           ctx.pairing.ratio_exp(p["length"], partner.params["length"])
-           if partner is not None else 0.0)
+  count = _count(ctx)
   mapped = _vmapped(body, n_consts, n_carry, p["length"])
   theirs = _vmapped(partner.params["jaxpr"], n_consts, n_carry,
                     partner.params["length"]) if partner is not None else None
   if mapped is None or (partner is not None and theirs is None):
     return [Top(what)] * outs
-  # The carries, seen from one step: what it adds to them, or (passed through) their value.
-  zero = Const(value=0.0)
-  carried = [init if body.jaxpr.outvars[i] is body.jaxpr.invars[n_consts + i] else zero
-             for i, init in enumerate(kinds[n_consts:n_consts + n_carry])]
-  in_kinds = [*kinds[:n_consts], *carried, *kinds[n_consts + n_carry:]]
+  in_kinds = [*kinds[:n_consts], *_carried(body, kinds, n_consts, n_carry),
+              *kinds[n_consts + n_carry:]]
   try:  # paired with the partner's vmapped body first, where there is one
     got = ctx.inner(mapped, in_kinds, body_sources, partner=theirs)
   except Unpaired:
@@ -182,6 +192,79 @@ def _scan_over_rows(ctx: Context, kinds: Operands,
     carry.append(init if isinstance(step, Const) and step.value == 0 else _plus_sum(
         eqn, init, step, count))
   return [*carry, *got[n_carry:]]
+
+
+def _count(ctx: Context) -> Exp:
+  """How a scan's number of iterations scales with the rows."""
+  length, partner = ctx.eqn.params["length"], ctx.partner
+  if ctx.symbol is not None:
+    return ctx.pairing.degree(length)
+  return ctx.pairing.ratio_exp(length, partner.params["length"]) if partner is not None else 0.0
+
+
+def _carried(body, kinds: Operands, n_consts: int, n_carry: int) -> list[Kind]:
+  """A scan's carries seen from one step whose carries only accumulate: their value where
+  the body passes them through, else zero (what the step adds is its result)."""
+  return [init if body.jaxpr.outvars[i] is body.jaxpr.invars[n_consts + i] else
+          Const(value=0.0) for i, init in enumerate(kinds[n_consts:n_consts + n_carry])]
+
+
+def _scan_over_blocks(ctx: Context, kinds: Operands,
+                      body_sources: dict[int, int]) -> list[Kind]:
+  """A scan over blocks of consecutive examples (``lax.map(f, x, batch_size=b)``, and its
+  transpose): each iteration's slice holds ``b`` examples, so the body is analyzed on
+  them (in an order of their own). Every batch-dependent ``xs`` must be blocked alike,
+  every constant batch-independent, every carry only accumulate; its ``ys`` are blocked
+  again, its accumulators sum statistics of the blocks."""
+  eqn = ctx.eqn
+  p = eqn.params
+  n_consts, n_carry = scan_counts(p)
+  xs = kinds[n_consts + n_carry:]
+  blocked = next(k for k in xs if isinstance(k, Blocked))
+  refused: list[Kind] = [Top(blocked.mixed)] * len(eqn.outvars)
+  if not all(isinstance(k, Const) or (isinstance(k, Blocked) and k.dim == 0 and (
+      k.block, k.order) == (blocked.block, blocked.order)) for k in xs):
+    return refused
+  # A batch-dependent constant (all rows, a batch statistic) would be read by every block:
+  # a statistic of it added up per block counts its examples once per block.
+  if not all(isinstance(k, Const) for k in kinds[:n_consts]):
+    return [Top(mixing(next(k for k in kinds[:n_consts] if not isinstance(k, Const))) or
+                with_place(eqn, "a scan over blocks of examples whose body reads the whole "
+                           "batch"))] * len(eqn.outvars)
+  body = p["jaxpr"]
+  if not all(_accumulates(body.jaxpr, i, n_consts, n_carry) for i in range(n_carry)) or any(
+      _read_while_it_grows(body.jaxpr, i, n_consts) for i in range(n_carry)):
+    return [Top(with_place(eqn, "a scan over blocks of examples that carries state from one "
+                           "block to the next"))] * len(eqn.outvars)
+  inner = ("block", blocked.order)
+  sliced = [Rows(0, None, k.exp, inner) if isinstance(k, Blocked) else _sliced_const(k)
+            for k in xs]
+  got = ctx.inner(body, [*kinds[:n_consts], *_carried(body, kinds, n_consts, n_carry),
+                         *sliced], body_sources)
+  carry = [init if isinstance(step, Const) and step.value == 0 else _started(
+      eqn, init, _block_sums(eqn, step)) for init, step in zip(
+          kinds[n_consts:n_consts + n_carry], got[:n_carry], strict=True)]
+  ys: list[Kind] = []
+  for k in got[n_carry:]:
+    if isinstance(k, Rows) and k.dim == 0 and k.order == inner and k.mixed is None:
+      ys.append(Blocked(blocked.mixed, k.exp, 0, blocked.block, blocked.order))
+    elif isinstance(k, Const):
+      ys.append(_stacked_const(k))
+    else:
+      ys.append(Top(mixing(k) or with_place(eqn, "a scan over blocks of examples whose "
+                                            "outputs mix the examples of a block")))
+  return [*carry, *ys]
+
+
+def _block_sums(eqn, step: Kind) -> Kind:
+  """The sum over the blocks of what one step adds: a statistic of each block's examples
+  sums to one of all examples; rows of a block would add up different examples."""
+  if isinstance(step, Stat) and not step.ratio and step.extreme is None:
+    return Stat(step.mixed, step.exp)
+  if isinstance(step, Const):
+    return Const(exp=None)  # one term per block, each its own: no known scaling
+  return Top(mixing(step) or with_place(eqn, "a scan over blocks of examples that adds up "
+                                        "rows of different blocks"))
 
 
 def _accumulates(jaxpr, i: int, n_consts: int, n_carry: int) -> bool:
@@ -242,6 +325,13 @@ def _plus_sum(eqn, init: Kind, step: Kind, count: Exp) -> Kind:
   else:
     return Top(with_place(eqn, "a loop whose number of iterations follows the number of rows "
                       "adds up values that are no per-example terms"))
+  return _started(eqn, init, total)
+
+
+def _started(eqn, init: Kind, total: Kind) -> Kind:
+  """``init`` plus ``total``, a loop's sum over the examples."""
+  if isinstance(total, Top):
+    return total
   if isinstance(init, Const) and init.value == 0:
     return total
   if isinstance(total, Const) and isinstance(init, Const):
@@ -251,7 +341,8 @@ def _plus_sum(eqn, init: Kind, step: Kind, count: Exp) -> Kind:
 
 @register_call("while")
 def while_loop(ctx: Context, kinds: Operands) -> Out:
-  """A while loop keeps its carries' kinds if its trip count is batch-independent."""
+  """A while loop keeps its carries' kinds if its trip count is batch-independent, or if
+  its predicate is per example (:func:`_per_example_predicate`)."""
   eqn = ctx.eqn
   p = eqn.params
   nc, nb = p["cond_nconsts"], p["body_nconsts"]
@@ -265,10 +356,43 @@ def while_loop(ctx: Context, kinds: Operands) -> Out:
 
   carry = fixpoint(step, list(carry))
   (pred,) = ctx.inner(p["cond_jaxpr"], [*cond_consts, *carry], cond_sources)
+  if isinstance(pred, Rows) and _per_example_predicate(p, pred):
+    return Result(_masked(eqn, pred, carry, nb), not_reducible=looped)
   if not isinstance(pred, Const) or pred.exp != 0:
     return Result([Top(with_place(eqn, "a while loop whose trip count depends on the batch or "
                                   "on the number of rows"))] * len(carry), not_reducible=looped)
   return Result(carry, not_reducible=looped)
+
+
+def _per_example_predicate(params, pred: Kind) -> bool:
+  """Whether a while loop's predicate is one boolean per example (``jax.vmap`` of a
+  ``while_loop``): JAX then runs the body while any example's holds and keeps each
+  example's carries where its own does not, so each example runs its own trip count."""
+  (aval,) = params["cond_jaxpr"].out_avals
+  return (isinstance(pred, Rows) and pred.dim == 0 and pred.mixed is None
+          and len(aval.shape) == 1)
+
+
+def _masked(eqn, pred: Rows, carry: list[Kind], nb: int) -> list[Kind]:
+  """The carries of a while loop with a per-example predicate (see
+  :func:`_per_example_predicate`): each keeps its example's rows apart if it is rows in
+  the predicate's order, or batch-independent and passed through; a batch-independent
+  carry the body changes stops at each example's own trip count, so it becomes rows."""
+  body = eqn.params["body_jaxpr"].jaxpr
+  outs: list[Kind] = []
+  for i, kind in enumerate(carry):
+    passed = body.outvars[i] is body.invars[nb + i]
+    if isinstance(kind, Rows) and kind.dim == 0 and kind.order == pred.order:
+      outs.append(kind)
+    elif isinstance(kind, Const) and passed:
+      outs.append(kind)
+    elif isinstance(kind, Const) and kind.exp == 0:
+      outs.append(Rows(0, exp=0.0, order=pred.order))
+    else:
+      outs.append(Top(mixing(kind) or with_place(
+          eqn, "a while loop with a per-example predicate whose carry is not batched along "
+          "the examples")))
+  return outs
 
 
 @register_call("cond")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from fxaccum.analysis.eqns import shape_of, with_place
-from fxaccum.analysis.kinds import Const, Kind, Rows, Stat, Top, common_exp
+from fxaccum.analysis.eqns import is_constant, shape_of, with_place
+from fxaccum.analysis.kinds import Blocked, Const, Kind, Rows, Stat, Top, common_exp, plain
 from fxaccum.analysis.registry import Context, Operands, Out, register
 from fxaccum.analysis.rules.common import first_mixed, map_uniform, misaligned, uniform_at
 
@@ -37,18 +37,23 @@ def broadcast_in_dim(ctx: Context, kinds: Operands) -> Out:
   return Const(frozenset(uniform), kind.value, kind.exp)
 
 
-@register("reshape")
+@register("reshape", reads_blocks=True)
 def reshape(ctx: Context, kinds: Operands) -> Out:
   """A reshape keeps examples apart where each example stays a block of one dimension
-  (in both traces)."""
+  (in both traces), or splits the batch axis into blocks of consecutive examples (as
+  ``lax.map(..., batch_size=b)`` does: :class:`Blocked`), or merges such blocks again."""
   eqn = ctx.eqn
   kind = kinds[0]
+  if isinstance(kind, Blocked):
+    return _unblocked(ctx, kind)
+  if isinstance(kind, Top):
+    return kind
   if isinstance(kind, Stat):
     return kind
-  if isinstance(kind, Const):
+  if isinstance(kind, Const):  # one value everywhere stays so
     out_ndim = len(shape_of(eqn.outvars[0]))
-    return Const(frozenset(range(out_ndim)) if kind.value is not None else frozenset(),
-                 kind.value, kind.exp)
+    same = kind.value is not None or set(range(len(shape_of(eqn.invars[0])))) <= kind.uniform
+    return Const(frozenset(range(out_ndim)) if same else frozenset(), kind.value, kind.exp)
   if eqn.params.get("dimensions") is not None:
     return Top(with_place(eqn, "a reshape that transposes the batch axis"))
   dim = _reshaped_dim(shape_of(eqn.invars[0]), shape_of(eqn.outvars[0]), kind.dim, ctx.rows)
@@ -56,9 +61,47 @@ def reshape(ctx: Context, kinds: Operands) -> Out:
   if dim is not None and theirs[0] is not None and theirs[1] is not None and ctx.base:
     if _reshaped_dim(*theirs, kind.dim, round(ctx.rows / ctx.base)) != dim:
       dim = None
+  what = with_place(eqn, "a reshape that splits the batch axis across examples")
   if dim is None:
-    return Top(with_place(eqn, "a reshape that splits the batch axis across examples"))
+    block = _block(ctx, kind.dim) if kind.mixed is None else None
+    return Top(what) if block is None else Blocked(what, kind.exp, kind.dim, block, kind.order)
   return dataclasses.replace(kind, dim=dim)
+
+
+def _block(ctx: Context, d: int) -> int | None:
+  """The size of the blocks, where a reshape splits batch axis ``d`` (and nothing else)
+  into blocks of the same number of consecutive examples in both traces."""
+  def split(shape, new_shape) -> int | None:
+    if (len(new_shape) != len(shape) + 1 or tuple(new_shape[:d]) != tuple(shape[:d])
+        or tuple(new_shape[d + 2:]) != tuple(shape[d + 1:])):
+      return None
+    block = new_shape[d + 1]
+    ok = is_constant(block) and block > 0 and new_shape[d] * block == shape[d]
+    return block if ok else None
+
+  block = split(shape_of(ctx.eqn.invars[0]), shape_of(ctx.eqn.outvars[0]))
+  theirs = (ctx.partner_shape(0), ctx.partner_shape(0, out=True))
+  if block is not None and None not in theirs and split(*theirs) != block:
+    return None
+  return block
+
+
+def _unblocked(ctx: Context, kind: Blocked) -> Kind:
+  """A reshape of blocked examples: merging the blocks (in both traces) gives the rows
+  back; any other reshape mixes them."""
+  d = kind.dim
+
+  def merges(shape, new_shape) -> bool:
+    return (len(new_shape) == len(shape) - 1 and tuple(new_shape[:d]) == tuple(shape[:d])
+            and tuple(new_shape[d + 1:]) == tuple(shape[d + 2:]) and shape[d + 1] == kind.block
+            and new_shape[d] == shape[d] * shape[d + 1])
+
+  theirs = (ctx.partner_shape(0), ctx.partner_shape(0, out=True))
+  if ctx.eqn.params.get("dimensions") is None and merges(
+      shape_of(ctx.eqn.invars[0]), shape_of(ctx.eqn.outvars[0])) and (
+          None in theirs or merges(*theirs)):
+    return Rows(d, None, kind.exp, kind.order)
+  return plain(kind)
 
 
 def _reshaped_dim(shape, new_shape, dim: int, rows: int) -> int | None:
