@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["Concat", "Max", "Min", "State", "Sum", "Weighted", "all_finite", "highest", "lowest",
            "safe_divide", "weight_dtype"]
@@ -190,7 +191,7 @@ def lowest(dtype: Any) -> Any:
   """The identity of a maximum in ``dtype``: -inf, the lowest integer, or False."""
   dtype = jnp.dtype(dtype)
   if jnp.issubdtype(dtype, jnp.inexact):
-    return -jnp.inf
+    return -jnp.inf if _has_inf(dtype) else jnp.finfo(dtype).min
   if dtype == jnp.bool_:
     return False
   return jnp.iinfo(dtype).min
@@ -200,10 +201,15 @@ def highest(dtype: Any) -> Any:
   """The identity of a minimum in ``dtype``: inf, the highest integer, or True."""
   dtype = jnp.dtype(dtype)
   if jnp.issubdtype(dtype, jnp.inexact):
-    return jnp.inf
+    return jnp.inf if _has_inf(dtype) else jnp.finfo(dtype).max
   if dtype == jnp.bool_:
     return True
   return jnp.iinfo(dtype).max
+
+
+def _has_inf(dtype: Any) -> bool:
+  """Whether ``dtype`` holds infinities (float8 ``e4m3fn`` and its kin do not: inf is NaN)."""
+  return bool(np.isinf(np.array(np.inf).astype(dtype)))
 
 
 def weight_dtype(weight: Any) -> jnp.dtype:

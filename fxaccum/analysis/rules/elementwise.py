@@ -163,10 +163,10 @@ def _linear(eqn: Any, kinds: Operands, exp: Exp) -> Stat:
     monotone = name in ("copy", "reduce_precision", "stop_gradient") or (
         name == "convert_element_type" and _to_real_float(eqn))
     return stats[0] if monotone else dataclasses.replace(stats[0], extreme=None)
-  if name == "neg":  # swaps a maximum and a minimum, unless it wraps (unsigned)
+  if name == "neg":  # swaps a maximum and a minimum, unless it wraps (integers: -(-128))
     negated = {"max": "min", "min": "max"}
     extreme = stats[0].extreme
-    if jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.unsignedinteger):
+    if _integral(eqn):
       extreme = None
     return dataclasses.replace(stats[0], extreme=negated[extreme] if extreme else None)
   if name in ("add", "add_any", "sub"):
@@ -189,6 +189,10 @@ def _linear(eqn: Any, kinds: Operands, exp: Exp) -> Stat:
     if exp is None:
       return nonlinear("scales a batch statistic by a value that is no power of the "
                        "micro-batch size")
+    factor = next((k.value for k in kinds if isinstance(k, Const)), None)
+    if factor is not None and (not np.isfinite(factor) or (name == "div" and factor == 0)):
+      # Devices' shares of opposite signs give inf - inf = NaN where the whole gives inf.
+      return nonlinear(f"scales a batch statistic by {factor!r}, to a non-finite value")
     return Stat(inherited, exp, extreme=_scaled_extreme(eqn, kinds))
   if name == "select_n" and isinstance(kinds[0], Const):
     # Each element one of the statistics, or an exact zero (``jnp.trace``'s mask): linear.
@@ -226,11 +230,13 @@ def _lossy_cast(eqn) -> bool:
 
 
 def _to_real_float(eqn) -> bool:
-  """Whether a cast is monotone (keeps a maximum one): from a real number to a float (not
-  to a bool or an integer, which wrap or saturate)."""
+  """Whether a cast is monotone (keeps a maximum one): from a real number to a float that
+  holds infinities (not to a bool or an integer, which wrap or saturate, nor to a float8
+  without inf such as ``e4m3fn``, where a value out of range becomes NaN)."""
   source, target = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
   return (jnp.issubdtype(target, jnp.floating)
-          and not jnp.issubdtype(source, jnp.complexfloating))
+          and not jnp.issubdtype(source, jnp.complexfloating)
+          and bool(np.isinf(np.array(np.inf).astype(target))))
 
 
 @register("random_bits", "random_split", "random_wrap", "random_unwrap",

@@ -101,7 +101,8 @@ register("slice")(_along_batch("a slice", _sliced_dims))
 register("dynamic_slice")(_along_batch("a dynamic slice", _sliced_dims))
 register("pad")(_along_batch("padding", _padded_dims))
 register("split")(_along_batch("a split", lambda e: {e.params["axis"]}))
-register("top_k")(_along_batch("top_k", lambda e: {len(shape_of(e.invars[0])) - 1}))
+register("top_k")(_along_batch("top_k", lambda e: {  # JAX before 0.10: the last axis
+    e.params.get("axis", -1) % len(shape_of(e.invars[0]))}))
 register("approx_top_k")(_along_batch("approx_top_k", lambda e: {
     e.params["reduction_dimension"] % len(shape_of(e.invars[0]))}))
 
@@ -308,8 +309,11 @@ def _scatter_rows(ctx: Context, kinds: Operands, at: _Scatter) -> Kind:
   if (name == "scatter-add" and isinstance(operand, Const) and operand.value == 0
       and isinstance(updates, Rows) and updates.dim in at.upd_scatter):
     idx_dim = at.idx_batch[at.upd_scatter.index(updates.dim)]
-    ok = (not isinstance(indices, Rows) or indices.dim == idx_dim) and not (
-        ctx.scaled_dims(2) - {updates.dim})
+    # Each example's own index, or one the same for every example: an index that follows
+    # the example's position (iota % 3) would place a device's rows by their local place.
+    per_example = (indices.dim == idx_dim if isinstance(indices, Rows) else isinstance(
+        indices, Const) and uniform_at(indices, eqn.invars[1], shape_of(eqn.invars[1]), idx_dim))
+    ok = per_example and not (ctx.scaled_dims(2) - {updates.dim})
     return Stat(mixed or (None if ok else with_place(eqn, "a scatter-add across examples")),
                 updates.exp)
   return Top(with_place(eqn, f"a {name} across examples"))
