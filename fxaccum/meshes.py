@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 __all__ = [
     "CONVENTIONAL_DATA_AXES", "DataDims", "Layout", "as_data_axes", "conform", "find_mesh",
     "known_spec", "missing_axes",
-    "linen_rules_without_manual_axes", "plan", "shard_map_keeping_axes", "spec_axes",
+    "layout_of", "linen_rules_without_manual_axes", "shard_map_keeping_axes", "spec_axes",
     "spec_entry", "tracks_varying", "vary", "varying_axes",
 ]
 
@@ -225,7 +225,7 @@ def missing_axes(mesh: Any, axes: Sequence[str]) -> list[str]:
   return [a for a in axes if a not in mesh.axis_names]
 
 
-def plan(
+def layout_of(
     diff_leaves: Sequence[Any],
     batch_leaves: Sequence[Any],
     other_leaves: Sequence[Any],

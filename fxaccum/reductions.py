@@ -34,8 +34,8 @@ from fxaccum import meshes
 from fxaccum.meshes import DataDims
 
 __all__ = [
-    "BUCKET_BYTES", "Plan", "Unreduced", "gather", "in_first_slot", "reduce", "reduce_leaves",
-    "sum_deferred", "sum_slots",
+    "BUCKET_BYTES", "LeafReduction", "Unreduced", "gather", "in_first_slot", "reduce",
+    "reduce_leaves", "sum_deferred", "sum_slots",
 ]
 
 #: Default bucket size, measured on 8 simulated CPU devices (docs/performance.md): 2 MiB
@@ -45,18 +45,18 @@ BUCKET_BYTES = 2 << 20
 
 # How one leaf is reduced: (its dimensions sharded over data axes, to reduce-scatter over
 # those axes; the other axes to sum it over).
-Plan = tuple[DataDims, tuple[str, ...]]
+LeafReduction = tuple[DataDims, tuple[str, ...]]
 
 
-def reduce_leaves(leaves: Sequence[jax.Array], plans: Sequence[Plan],
+def reduce_leaves(leaves: Sequence[jax.Array], ways: Sequence[LeafReduction],
                   bucket_bytes: int | None = None) -> list[jax.Array]:
-  """Each leaf reduced as its plan says — reduce-scattered over the axes of its sharded
-  dimensions, then summed over the plan's other axes, as :func:`reduce`
+  """Each leaf reduced the way ``ways`` says — reduce-scattered over the axes of its sharded
+  dimensions, then summed over its other axes, as :func:`reduce`
   does — with one collective per bucket of at most ``bucket_bytes`` (None: one bucket per
   kind of reduction)."""
   out: list[Any] = list(leaves)
   groups: dict[Any, list[int]] = {}
-  for i, (leaf, (leaf_dims, rest)) in enumerate(zip(leaves, plans, strict=True)):
+  for i, (leaf, (leaf_dims, rest)) in enumerate(zip(leaves, ways, strict=True)):
     if len(leaf_dims) > 1:  # sharded on several dimensions: on its own
       out[i] = reduce(leaf, rest + tuple(a for _, axes in leaf_dims for a in axes),
                            leaf_dims)
@@ -66,7 +66,7 @@ def reduce_leaves(leaves: Sequence[jax.Array], plans: Sequence[Plan],
       groups.setdefault((scatter, rest, jnp.result_type(leaf)), []).append(i)
   for (scatter, rest, _), members in groups.items():
     for bucket in _buckets(members, leaves, bucket_bytes):
-      reduced = (_scattered(bucket, leaves, plans, scatter, rest) if scatter
+      reduced = (_scattered(bucket, leaves, ways, scatter, rest) if scatter
                  else lax.psum([leaves[i] for i in bucket], rest))
       for i, value in zip(bucket, reduced, strict=True):
         out[i] = value
@@ -89,14 +89,15 @@ def _buckets(members: list[int], leaves: Sequence[jax.Array],
   return buckets
 
 
-def _scattered(bucket: list[int], leaves: Sequence[jax.Array], plans: Sequence[Plan],
+def _scattered(bucket: list[int], leaves: Sequence[jax.Array],
+               ways: Sequence[LeafReduction],
                scatter: tuple[str, ...], rest: tuple[str, ...]) -> list[jax.Array]:
   """One ``psum_scatter`` over ``scatter`` (then one ``psum`` over ``rest``) for the whole
   bucket: each leaf's sharded dimension first, flattened to ``(devices, -1)``."""
   devices = math.prod(lax.axis_size(a) for a in scatter)
   flat, shapes = [], []
   for i in bucket:
-    dim = plans[i][0][0][0]
+    dim = ways[i][0][0][0]
     moved = jnp.moveaxis(leaves[i], dim, 0)
     shapes.append((dim, moved.shape))
     flat.append(moved.reshape(devices, -1))

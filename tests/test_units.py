@@ -195,7 +195,7 @@ def test_plan_reads_data_axes_and_fsdp_dims_from_concrete_shardings():
                        axis_types=(AxisType.Explicit,) * 3)
   batch = _placed(mesh, P(("replica", "fsdp")))
   replicated, fsdp, tp = (_placed(mesh, s) for s in (P(), P("fsdp"), P(None, "model")))
-  layout = meshes.plan([replicated, fsdp, tp], [batch], [], None)
+  layout = meshes.layout_of([replicated, fsdp, tp], [batch], [], None)
   assert layout.data_axes == ("replica", "fsdp")
   assert layout.param_dims == ((), ((0, ("fsdp",)),), ())
   assert layout.data_devices == 4
@@ -207,7 +207,7 @@ def test_plan_takes_conventional_names_where_auto_shardings_are_hidden():
   seen = {}
 
   def probe(w, x):
-    seen["layout"] = meshes.plan([w], [x], [], None)
+    seen["layout"] = meshes.layout_of([w], [x], [], None)
     return x
 
   with jax.set_mesh(mesh):
@@ -219,9 +219,9 @@ def test_plan_refuses_unknown_axes_and_mixed_dimensions():
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
   batch = _placed(mesh, P("data"))
   with pytest.raises(ValueError, match="which the mesh does not have"):
-    meshes.plan([], [batch], [], ("dp",))
+    meshes.layout_of([], [batch], [], ("dp",))
   mixed = _placed(mesh, P(("data", "model")))
-  layout = meshes.plan([mixed], [batch], [], None)
+  layout = meshes.layout_of([mixed], [batch], [], None)
   assert "mixing data axes" in layout.device_blocker
 
 

@@ -438,7 +438,7 @@ def _call(config: Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> 
   other = [a for i, a in enumerate(args)
            if i not in config.diff_argnums + config.batch_argnums]
   _check_differentiable(diff, config.diff_argnums)
-  layout = meshes.plan(jax.tree.leaves(diff), jax.tree.leaves(batch),
+  layout = meshes.layout_of(jax.tree.leaves(diff), jax.tree.leaves(batch),
                      jax.tree.leaves((other, state)), config.data_axes,
                      meshes.param_hints(diff, config.param_shardings))
   if config.micro_batch_size is not None:
