@@ -105,7 +105,7 @@ def mlp_temps(mesh, ks=(1, 2, 4, 8)) -> dict[int, int]:
 
 def study(args: argparse.Namespace) -> None:
   """``run.py --study plan``: ``--budgets-mib`` (6,4,2.5), ``--batch`` (64), ``--seq``
-  (32), ``--out`` (benchmarks/results/plan.json)."""
+  (32), ``--mlp-ks`` (1,2,4,8), ``--out`` (benchmarks/results/plan.json)."""
   out = args.out or "benchmarks/results/plan.json"
   budgets = sorted(int(float(b) * MiB) for b in args.budgets_mib.split(","))
 
@@ -141,7 +141,7 @@ def study(args: argparse.Namespace) -> None:
           "table": [row._asdict() for row in plan.table],
           "measured_peak_bytes": measured_peak(plan, model, tx, mesh, args),
       })
-    temps = mlp_temps(mesh)
+    temps = mlp_temps(mesh, [int(k) for k in args.mlp_ks.split(",")])
 
   lines = md_header(["budget (MiB)", "k", "peak (MiB)", "temp (MiB)", "compile (s)", "fits"], 0)
   for result in results:

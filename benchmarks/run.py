@@ -574,6 +574,7 @@ def main() -> None:
   study.add_argument("--budgets-mib", default="6,4,2.5", help="plan: budgets per device")
   study.add_argument("--batch", type=int, default=64, help="plan: global batch (sequences)")
   study.add_argument("--seq", type=int, default=32, help="plan: tokens per sequence")
+  study.add_argument("--mlp-ks", default="1,2,4,8", help="plan: the k of the MLP temp table")
   study.add_argument("--rounds", type=int, default=None, help="one-device: timed rounds")
   study.add_argument("--calls", type=int, default=None, help="one-device: calls per round")
   study.add_argument("--profile", action="store_true", help="one-device: time per kernel")

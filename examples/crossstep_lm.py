@@ -48,10 +48,15 @@ def main() -> None:
     loss, grads = grad_fn(state.params, batch)  # fxaccum.Unreduced: no all-reduce here
     return state.apply_gradients(grads=grads), loss
 
+  @jax.jit  # the state comes out with the types and layouts train_step returns: one compile
+  def init_state(key):
+    params = model.init(key, jnp.zeros((1, args.seq), jnp.int32))
+    state = fxaccum.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    return state.replace(step=jnp.int32(0))  # create's step is a weakly typed Python 0
+
   loader = micro_batches(np.random.default_rng(0), args.micro_batch, args.seq, model.vocab)
   with jax.set_mesh(mesh):
-    params = model.init(jax.random.key(0), jnp.zeros((1, args.seq), jnp.int32))
-    state = fxaccum.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    state = init_state(jax.random.key(0))
     window_losses = []
     for call in range(args.steps * args.every_k):
       state, loss = train_step(state, shard(next(loader), mesh))
@@ -62,7 +67,7 @@ def main() -> None:
         window_losses = []
     report = fxaccum.diagnostics.report(train_step, state, shard(next(loader), mesh))
 
-  grad_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  grad_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
   in_branch = report.bytes_per_call(fxaccum.diagnostics.REDUCTIONS, place="conditional")
   per_call = sum(c.bytes * c.executions for c in report.reductions()
                  if c.place != "conditional")

@@ -23,21 +23,24 @@ import sys
 import tempfile
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-import orbax.checkpoint as ocp
-from train_lm import TinyLM, data_mesh, shard, synthetic_batch, token_loss  # sets XLA_FLAGS
-
-import fxaccum
 
 EVERY_K, MICRO_BATCH, SEQ = 4, 16, 32
 
 
-def train(directory: Path, calls: int, kill_at: int | None, resume: bool) -> None:
-  """One process's share of the training; checkpoints after every call."""
-  model, mesh = TinyLM(), data_mesh()
+def train(directory: Path, calls: int, kill_at: int | None, resume: bool,
+          layers: int | None = None) -> None:
+  """One process's share of the training; checkpoints after every call. (JAX is imported
+  here: the parent process only starts the three runs and compares their files.)"""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  import orbax.checkpoint as ocp
+  from train_lm import TinyLM, data_mesh, shard, synthetic_batch, token_loss  # XLA_FLAGS
+
+  import fxaccum
+
+  model, mesh = TinyLM() if layers is None else TinyLM(layers=layers), data_mesh()
   tx = optax.chain(fxaccum.accumulate(EVERY_K, data_axes="data"), optax.adam(3e-3))
   grad_fn = fxaccum.value_and_unreduced_grad(token_loss(model), micro_batches=1)
 
@@ -45,11 +48,16 @@ def train(directory: Path, calls: int, kill_at: int | None, resume: bool) -> Non
   def train_step(state, batch):
     return state.apply_gradients(grads=grad_fn(state.params, batch)[1])
 
+  @jax.jit  # the state comes out with the types and layouts train_step returns: one compile
+  def init_state(key):
+    params = model.init(key, jnp.zeros((1, SEQ), jnp.int32))
+    state = fxaccum.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    return state.replace(step=jnp.int32(0))  # create's step is a weakly typed Python 0
+
   manager = ocp.CheckpointManager(directory.absolute() / "checkpoints",
                                   options=ocp.CheckpointManagerOptions(max_to_keep=2))
   with jax.set_mesh(mesh):
-    params = model.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))
-    state = fxaccum.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    state = init_state(jax.random.key(0))
     start = 0
     if resume:
       start = manager.latest_step()
@@ -76,17 +84,20 @@ def main() -> None:
   parser.add_argument("--phase", choices=["all", "uninterrupted", "killed", "resumed"],
                       default="all")
   parser.add_argument("--dir", type=Path, default=None)
+  parser.add_argument("--layers", type=int, default=None,
+                      help="the LM's blocks (default: TinyLM's, 2)")
   args = parser.parse_args()
 
   if args.phase != "all":
     train(args.dir, args.calls, args.kill_at if args.phase == "killed" else None,
-          resume=args.phase == "resumed")
+          resume=args.phase == "resumed", layers=args.layers)
     return
 
   root = Path(tempfile.mkdtemp(prefix="fxaccum_resume_"))
   for phase, where in (("uninterrupted", "a"), ("killed", "b"), ("resumed", "b")):
+    size = [] if args.layers is None else ["--layers", str(args.layers)]
     proc = subprocess.run([sys.executable, __file__, "--phase", phase, "--dir", str(root / where),
-                           "--calls", str(args.calls), "--kill-at", str(args.kill_at)],
+                           "--calls", str(args.calls), "--kill-at", str(args.kill_at), *size],
                           capture_output=True, text=True, timeout=600)
     expected = -signal.SIGKILL if phase == "killed" else 0
     if proc.returncode != expected:

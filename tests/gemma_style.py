@@ -21,6 +21,7 @@ reference use ``one_device_mesh``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +30,8 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-VOCAB, EMBED, LAYERS, HEADS, HEAD_DIM, MLP = 64, 32, 2, 2, 16, 64
-BATCH, SEQ = 16, 16
+VOCAB, EMBED, LAYERS, HEADS, HEAD_DIM, MLP = 32, 16, 1, 2, 8, 32
+BATCH, SEQ = 16, 8
 PAD_ID = 0
 DATA_AXES = ("data", "fsdp")  # candidate data-parallel mesh axes, outermost first
 FSDP = "fsdp"
@@ -278,21 +279,46 @@ def one_device_mesh(axis_names=DATA_AXES):
 
 
 def create(mesh, seed: int = 0):
-  """Build the model under ``jax.set_mesh(mesh)`` and split it into
-  ``(graphdef, params, rest)``: ``params`` the ``nnx.Param`` state (each array placed per
-  its ``out_sharding`` metadata), ``rest`` the other state (the RoPE table)."""
-  cfg = Config(shd=ShardingConfig.fsdp(mesh.axis_names))
+  """The model for ``mesh`` split into ``(graphdef, params, rest)``: ``params`` the
+  ``nnx.Param`` state (each array placed on ``mesh`` per its ``out_sharding`` metadata),
+  ``rest`` the other state (the RoPE table). The model's arrays are built once per seed,
+  on one device (op by op, building them on 8 devices costs seconds; no value depends on
+  the mesh), and placed on ``mesh``."""
+  graphdef, params, rest = _built(tuple(mesh.axis_names), seed)
   with jax.set_mesh(mesh):
-    model = Transformer(cfg, rngs=nnx.Rngs(params=seed))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    # Variables are already sharded eagerly from their metadata; make the placement
-    # explicit (and independent of flax's eager-sharding default) all the same.
     specs = nnx.get_partition_spec(params)
     params = jax.tree.map(
       lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), params, specs
     )
     rest = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), rest)
   return graphdef, params, rest
+
+
+@functools.cache
+def _built(axis_names, seed):
+  """``(graphdef, params, rest)`` of the ``Transformer`` for mesh axes ``axis_names``: the
+  graphdef (its ``ShardingConfig``) from ``nnx.eval_shape``, the arrays from
+  :func:`_arrays` (the same for any axis names: the param specs name ``fsdp`` only)."""
+  cfg = Config(shd=ShardingConfig.fsdp(axis_names))
+  with jax.set_mesh(one_device_mesh(axis_names)):
+    graphdef, _, _ = nnx.split(
+      nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=seed))), nnx.Param, ...
+    )
+  return graphdef, *_arrays(seed)
+
+
+@functools.cache
+def _arrays(seed):
+  """``(params, rest)`` of the ``Transformer`` built on a one-device mesh (``DATA_AXES``)."""
+  cfg = Config(shd=ShardingConfig.fsdp(DATA_AXES))
+
+  @jax.jit  # one compile, not one per initializer and shape
+  def build():
+    _, params, rest = nnx.split(Transformer(cfg, rngs=nnx.Rngs(params=seed)), nnx.Param, ...)
+    return params, rest
+
+  with jax.set_mesh(one_device_mesh(DATA_AXES)):
+    return build()
 
 
 def token_xent(graphdef, params, rest, batch):

@@ -10,13 +10,15 @@ lm1b example that matter for sharded gradient accumulation:
 * activations carry ``nn.with_logical_constraint(x, ('activation_batch', ...))`` annotations;
 * logical axis rules map ``activation_batch`` to the data-parallel mesh axes and ``embed`` to
   ``fsdp`` (FSDP: every parameter is sharded over ``fsdp`` along its ``embed`` dimension);
-* lm1b's ``setup_initial_state``: ``jax.eval_shape(model.init)`` -> ``nn.get_partition_spec``
-  -> ``nn.logical_to_mesh_sharding`` -> ``jax.jit(init, out_shardings=...)``, all inside
-  ``with jax.set_mesh(mesh), nn.logical_axis_rules(rules):``; and a train-step-style
+* lm1b's ``setup_initial_state`` shardings: ``jax.eval_shape(model.init)`` ->
+  ``nn.get_partition_spec`` -> ``nn.logical_to_mesh_sharding`` (the params are initialized
+  once, unsharded, and placed with them: a jitted init per mesh would compile longer than
+  the steps under test); and a train-step-style
   ``jax.jit(..., in_shardings=..., out_shardings=..., donate_argnums=0)``.
 
-Sizes are small so that it compiles quickly on CPU: vocab 64, width 32, 2 layers, 4 heads,
-MLP 64, sequences of 16, batches of 16. Dropout rates are 0 and the model is deterministic, so a
+Sizes are small so that it compiles quickly on CPU: vocab 32, width 16, 1 layer (the
+stack's code runs for any number of layers), 2 heads, MLP 32, sequences of 8, batches of
+16. Dropout rates are 0 and the model is deterministic, so a
 forward pass is a pure function of (params, batch).
 
 Flax 0.12.8 notes:
@@ -37,6 +39,7 @@ Flax 0.12.8 notes:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +50,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-VOCAB, EMBED, LAYERS, HEADS, MLP, SEQ, BATCH = 64, 32, 2, 4, 64, 16, 16
+VOCAB, EMBED, LAYERS, HEADS, MLP, SEQ, BATCH = 32, 16, 1, 2, 32, 8, 16
 
 # ---------------------------------------------------------------------------------------------
 # Logical axis rules.
@@ -105,7 +108,7 @@ class TransformerConfig:
   num_layers: int = LAYERS
   qkv_dim: int = EMBED
   mlp_dim: int = MLP
-  max_len: int = 64
+  max_len: int = 16
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
   deterministic: bool = True
@@ -306,29 +309,40 @@ def batch_sharding(mesh, rules) -> NamedSharding:
 def init(mesh=None, rules=None, seed: int = 0, model: TransformerLM | None = None):
   """Returns ``(model, params, param_shardings)``.
 
-  ``params`` is the unboxed ``"params"`` collection (plain ``jax.Array`` leaves) created by a
-  jitted ``model.init`` with ``out_shardings=param_shardings``, i.e. already placed on ``mesh``
-  (FSDP-sharded over ``fsdp`` along each parameter's ``embed`` dimension). ``param_shardings``
-  is a pytree of ``NamedSharding`` with the structure of ``params``. With ``mesh=None`` the
-  params are on the default device and ``param_shardings`` is None. Values do not depend on
-  the mesh (threefry is partitionable), but compare against copies rather than rely on that.
+  ``params`` is the unboxed ``"params"`` collection (plain ``jax.Array`` leaves) of a jitted
+  ``model.init`` (compiled once per model), placed on ``mesh`` with ``param_shardings``
+  (FSDP-sharded over ``fsdp`` along each parameter's ``embed`` dimension): new buffers on
+  each call, for a step that donates them. ``param_shardings`` is a pytree of
+  ``NamedSharding`` with the structure of ``params``. With ``mesh=None`` the params are on
+  the default device and ``param_shardings`` is None. Values do not depend on the mesh.
   """
   model = model or make_model()
-  key = jax.random.PRNGKey(seed)
-  dummy = jnp.ones((BATCH, SEQ), jnp.int32)
-
-  def init_params(rng):
-    return nn.unbox(model.init(rng, dummy)["params"])
-
+  params = _init_params(model)(jax.random.PRNGKey(seed))
   if mesh is None:
-    return model, jax.jit(init_params)(key), None
+    return model, params, None
   rules = rules_for(mesh) if rules is None else rules
-  abstract = jax.eval_shape(model.init, key, dummy)["params"]  # LogicallyPartitioned leaves
-  logical_specs = nn.get_partition_spec(abstract)
-  param_shardings = nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    params = jax.jit(init_params, out_shardings=param_shardings)(key)
-  return model, params, param_shardings
+  param_shardings = _param_shardings(model, mesh, rules)
+  return model, jax.device_put(params, param_shardings), param_shardings
+
+
+def _dummy_inputs():
+  return jnp.ones((BATCH, SEQ), jnp.int32)
+
+
+@functools.cache
+def _init_params(model):
+  """``model.init``'s unboxed params, jitted once per model (compiling an init per mesh
+  costs more than the steps the tests compile; the values are the same on any mesh)."""
+  return jax.jit(lambda rng: nn.unbox(model.init(rng, _dummy_inputs())["params"]))
+
+
+@functools.cache
+def _param_shardings(model, mesh, rules):
+  """lm1b's ``setup_initial_state`` shardings: ``jax.eval_shape(model.init)`` ->
+  ``nn.get_partition_spec`` -> ``nn.logical_to_mesh_sharding``."""
+  abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), _dummy_inputs())["params"]
+  logical_specs = nn.get_partition_spec(abstract)  # from the LogicallyPartitioned leaves
+  return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,18 +1,22 @@
 """The scenarios of tests/test_multihost.py, and one process of its 2-process runs.
 
-    python tests/multihost_worker.py SCENARIO PROCESS_ID PORT OUT_DIR
+    python tests/multihost_worker.py SCENARIO[,SCENARIO...] PROCESS_ID PORT OUT_DIR
 
 Run as a script, each of the two processes owns 4 simulated CPU devices and
 ``jax.distributed.initialize`` joins them into one 8-device runtime (gloo collectives on
-loopback), exactly as on a cluster of two hosts. Imported by the test, the same scenario
-functions run in the test process on its 8 local devices: the single-process reference.
-Every scenario returns ``{name: numpy array}``, gathered to every process.
+loopback), exactly as on a cluster of two hosts; the scenarios run one after the other in
+that runtime, and process 0 writes each one's results to OUT_DIR/SCENARIO.npz. Imported by
+the test, the same scenario functions run in the test process on its 8 local devices: the
+single-process reference. Every scenario returns ``{name: numpy array}``, gathered to every
+process.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import traceback
 
 if __name__ == "__main__":  # before jax initializes its backend
   # The suite's other XLA flags (tests/helpers.subprocess_env) are kept.
@@ -25,11 +29,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import make_data, make_params, put, weighted_loss  # noqa: E402
 from test_checkpoint import DATA, K, deferred_setup, micro_batch  # noqa: E402
+from test_pipeline import report_of as pipeline_report  # noqa: E402
 from test_pipeline import run as run_pipeline  # noqa: E402
 from test_sp import AXES, per_rank_step, skewed_batch, weighted_per_rank  # noqa: E402
 from test_sp import put as put_sp  # noqa: E402
@@ -76,6 +82,7 @@ def planned(params, data) -> dict[str, np.ndarray]:
   and the chosen step's noise scale, on the 8-device data mesh."""
   mesh = jax.make_mesh((8,), ("data",))
 
+  @functools.cache  # one compilation of k = 1 for both plans
   def make_step(k):
     return jax.jit(fxaccum.value_and_grad(lambda *a: (weighted_loss(*a), fxaccum.Statistics()),
                                           has_aux=True, micro_batches=k))
@@ -115,12 +122,24 @@ def pipeline(out_dir: str) -> dict[str, np.ndarray]:
   del out_dir
   (loss, grads), (step, args, mesh) = run_pipeline(4, 4)
   results = gathered("pipeline/", {"loss": loss, "grads": grads})
-  with jax.set_mesh(mesh):
-    report = fxaccum.diagnostics.report(step, *args, mesh=mesh)
+  report = pipeline_report(step, args, mesh)  # the program that ran
   for place in ("loop", "top"):
     results[f"pipeline/data_reductions_{place}"] = np.array(
         len(report.reductions(place, axes="data")))
   return results
+
+
+@functools.cache
+def deferred(mesh):
+  """test_checkpoint.deferred_setup(mesh), once per mesh (the fresh state is immutable),
+  its state typed and placed as the train step returns states (a step counter that is no
+  weak-typed int, P(None) for P()): the scenarios that run in one process, and every call
+  of the step in them, share one compilation."""
+  state, train_step = deferred_setup(mesh)
+  state = state.replace(step=np.int32(state.step))
+  like = jax.eval_shape(train_step, state, put(micro_batch(0), mesh, DATA))
+  return jax.device_put(state, jax.tree.map(
+      lambda s: NamedSharding(mesh, s.sharding.spec), like)), train_step
 
 
 def _run_calls(state, train_step, mesh, calls: range):
@@ -140,7 +159,7 @@ def crossstep(out_dir: str) -> dict[str, np.ndarray]:
   del out_dir
   mesh = jax.make_mesh((8,), ("data",))
   with jax.set_mesh(mesh):
-    state, train_step = deferred_setup(mesh)
+    state, train_step = deferred(mesh)
     return _state_results(_run_calls(state, train_step, mesh, range(CALLS)))
 
 
@@ -148,7 +167,7 @@ def checkpoint_save(out_dir: str) -> dict[str, np.ndarray]:
   """Runs to the middle of the second window and saves there with Orbax."""
   mesh = jax.make_mesh((8,), ("data",))
   with jax.set_mesh(mesh):
-    state, train_step = deferred_setup(mesh)
+    state, train_step = deferred(mesh)
     state = _run_calls(state, train_step, mesh, range(SAVE_AT))
     manager = ocp.CheckpointManager(os.path.join(out_dir, "checkpoints"))
     assert fxaccum.checkpoint.save(manager, SAVE_AT, state)
@@ -160,7 +179,7 @@ def checkpoint_resume(out_dir: str) -> dict[str, np.ndarray]:
   """Restores the mid-window checkpoint and finishes the two windows."""
   mesh = jax.make_mesh((8,), ("data",))
   with jax.set_mesh(mesh):
-    like, train_step = deferred_setup(mesh)
+    like, train_step = deferred(mesh)
     manager = ocp.CheckpointManager(os.path.join(out_dir, "checkpoints"))
     state = fxaccum.checkpoint.restore(manager, SAVE_AT, like)
     return _state_results(_run_calls(state, train_step, mesh, range(SAVE_AT, CALLS)))
@@ -170,18 +189,28 @@ SCENARIOS = {f.__name__: f for f in (instep, crossstep, checkpoint_save, checkpo
                                       sequence_parallel, pipeline)}
 
 
-def main(scenario: str, process_id: int, port: int, out_dir: str) -> None:
+def main(scenarios: str, process_id: int, port: int, out_dir: str) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                              process_id=process_id, initialization_timeout=60)
   assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 8, 4)
-  results = SCENARIOS[scenario](out_dir)
-  if process_id == 0:
-    np.savez(os.path.join(out_dir, f"{scenario}.npz"), **results)
-  multihost_utils.sync_global_devices(f"{scenario} done")  # neither exits before the write
-  print(f"process {process_id}: {scenario} done", flush=True)
+  for scenario in scenarios.split(","):
+    results = SCENARIOS[scenario](out_dir)
+    if process_id == 0:
+      np.savez(os.path.join(out_dir, f"{scenario}.npz"), **results)
+    # Neither process starts the next scenario (or exits) before the write.
+    multihost_utils.sync_global_devices(f"{scenario} done")
+    print(f"process {process_id}: {scenario} done", flush=True)
   jax.distributed.shutdown()
 
 
 if __name__ == "__main__":
-  main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+  try:
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+  except BaseException:
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not the interpreter's exit, whose jax.distributed shutdown waits for the peer (stuck
+    # in a collective) until the test's deadline: the test sees the failure now.
+    os._exit(1)

@@ -122,7 +122,7 @@ def test_plan_study_run(tmp_path):
   that fits, and it fits."""
   out = tmp_path / "plan.json"
   run_script("benchmarks/run.py", "--study", "plan", "--budgets-mib", "4", "--batch", "16",
-             "--seq", "8", "--out", str(out))
+             "--seq", "8", "--mlp-ks", "1", "--out", str(out))
   (result,) = json.loads(out.read_text())["results"]
   table = result["table"]
   assert [row["fits"] for row in table] == [False] * (len(table) - 1) + [True]

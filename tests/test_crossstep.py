@@ -29,7 +29,7 @@ def data(calls, seed=0, micro=MICRO):
 
 
 MODEL = MLP()
-PARAMS = MODEL.init(jax.random.key(0), jnp.ones((1, 4)))
+PARAMS = jax.jit(MODEL.init)(jax.random.key(0), jnp.ones((1, 4)))  # op by op: 2 s at import
 
 
 def mse(params, x, y):
@@ -46,13 +46,17 @@ OPTIMIZERS = {
 
 
 def large_batch_reference(inner, x, y, k=K):
-  """The inner optimizer on the k-times larger batch: one step per window."""
-  params, state = PARAMS, inner.init(PARAMS)
-  for step in range(x.shape[0] // k):
-    xb = x[step * k:(step + 1) * k].reshape(-1, 4)
-    yb = y[step * k:(step + 1) * k].reshape(-1, 2)
+  """The inner optimizer on the k-times larger batch: one step per window (jitted: op by
+  op, the optimizer's update dispatched dozens of small programs per step)."""
+  @jax.jit
+  def step(params, state, xb, yb):
     updates, state = inner.update(jax.grad(mse)(params, xb, yb), state, params)
-    params = optax.apply_updates(params, updates)
+    return optax.apply_updates(params, updates), state
+
+  params, state = PARAMS, inner.init(PARAMS)
+  for i in range(x.shape[0] // k):
+    params, state = step(params, state, x[i * k:(i + 1) * k].reshape(-1, 4),
+                         y[i * k:(i + 1) * k].reshape(-1, 2))
   return params, state
 
 
@@ -112,9 +116,14 @@ def test_nnx_optimizer_matches_large_batch(name):
   assert int(opt.step[...]) == STEPS and int(opt.micro_step) == 0
 
   ref_opt = nnx.Optimizer(ref_model, OPTIMIZERS[name](), wrt=nnx.Param)
+
+  @nnx.jit
+  def ref_step(ref_model, ref_opt, xb, yb):
+    return ref_opt.update(ref_model, nnx.grad(loss)(ref_model, xb, yb))
+
   for step in range(STEPS):
     xb, yb = x[step * K:(step + 1) * K].reshape(-1, 4), y[step * K:(step + 1) * K].reshape(-1, 2)
-    ref_updates = ref_opt.update(ref_model, nnx.grad(loss)(ref_model, xb, yb))
+    ref_updates = ref_step(ref_model, ref_opt, xb, yb)
     # update returns what nnx.Optimizer.update returns: the step's updates (zeros between)
     assert_tree_close(updates[(step + 1) * K - 1], ref_updates, rtol=1e-5)
     assert not any(np.any(u) for u in jax.tree.leaves(updates[step * K]))
@@ -129,11 +138,20 @@ def test_same_params_as_optax_multisteps():
   params, opt_state = PARAMS, tx.init(PARAMS)
   multi = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=K)
   m_params, m_state = PARAMS, multi.init(PARAMS)
+
+  # Both jitted: op by op, each call dispatched hundreds of small programs (30 s).
+  @jax.jit
+  def ours(params, opt_state, x, y):
+    return fxaccum.apply_gradients(tx, jax.grad(mse)(params, x, y), opt_state, params)
+
+  @jax.jit
+  def theirs(m_params, m_state, x, y):
+    updates, m_state = multi.update(jax.grad(mse)(m_params, x, y), m_state, m_params)
+    return optax.apply_updates(m_params, updates), m_state
+
   for call in range(K * STEPS):
-    g = jax.grad(mse)(params, x[call], y[call])
-    params, opt_state = fxaccum.apply_gradients(tx, g, opt_state, params)
-    updates, m_state = multi.update(jax.grad(mse)(m_params, x[call], y[call]), m_state, m_params)
-    m_params = optax.apply_updates(m_params, updates)
+    params, opt_state = ours(params, opt_state, x[call], y[call])
+    m_params, m_state = theirs(m_params, m_state, x[call], y[call])
   assert_tree_close(params, m_params, rtol=1e-6)
 
 
@@ -148,11 +166,11 @@ def test_weighted_calls_with_uneven_and_zero_token_counts():
   mask = (np.arange(MICRO)[None] < np.array(counts)[:, None]).astype(np.float32)
   tx = optax.chain(fxaccum.accumulate(K), optax.sgd(1.0))
   params, opt_state = PARAMS, tx.init(PARAMS)
-  grad_fn = fxaccum.grad(weighted_loss, micro_batches=1, batch_argnums=(1, 2, 3))
+  grad_fn = jax.jit(fxaccum.grad(weighted_loss, micro_batches=1, batch_argnums=(1, 2, 3)))
+  apply = jax.jit(fxaccum.apply_gradients, static_argnums=0)  # op by op: 3 s
   for call in range(K):
     g = grad_fn(params, x[call], y[call], mask[call])
-    params, opt_state = fxaccum.apply_gradients(tx, g, opt_state, PARAMS,
-                                                weight=mask[call].sum())
+    params, opt_state = apply(tx, g, opt_state, PARAMS, weight=mask[call].sum())
   # Reference: the token mean over the whole window, one SGD step of lr 1.
   ref_grad = jax.grad(lambda p: weighted_loss(p, x.reshape(-1, 4), y.reshape(-1, 2),
                                               mask.reshape(-1)).value())(PARAMS)
@@ -163,8 +181,7 @@ def test_weighted_calls_with_uneven_and_zero_token_counts():
   tx2 = optax.chain(fxaccum.accumulate(K), optax.sgd(1.0))
   naive, state2 = PARAMS, tx2.init(PARAMS)
   for call in range(K):
-    naive, state2 = fxaccum.apply_gradients(
-        tx2, grad_fn(PARAMS, x[call], y[call], mask[call]), state2, PARAMS)
+    naive, state2 = apply(tx2, grad_fn(PARAMS, x[call], y[call], mask[call]), state2, PARAMS)
   delta = lambda p: np.concatenate([np.ravel(a - b) for a, b in  # noqa: E731
                                     zip(jax.tree.leaves(p), jax.tree.leaves(PARAMS), strict=True)])
   rel = np.max(np.abs(delta(naive) - delta(ref))) / np.max(np.abs(delta(ref)))
@@ -185,8 +202,8 @@ def test_in_step_inside_cross_step_is_exact():
     params, opt_state = fxaccum.apply_gradients(
         tx, grad_fn(PARAMS, x[call], y[call], mask[call]), opt_state, PARAMS,
         weight=mask[call].sum())
-  ref_grad = jax.grad(lambda p: weighted_loss(p, x.reshape(-1, 4), y.reshape(-1, 2),
-                                              mask.reshape(-1)).value())(PARAMS)
+  ref_grad = jax.jit(jax.grad(lambda p: weighted_loss(p, x.reshape(-1, 4), y.reshape(-1, 2),
+                                                      mask.reshape(-1)).value()))(PARAMS)
   assert_tree_close(params, jax.tree.map(lambda p, g: p - g, PARAMS, ref_grad), rtol=1e-6)
 
 
@@ -196,18 +213,26 @@ def test_every_k_schedule():
   x, y = data(sum(windows))
   tx = optax.chain(fxaccum.accumulate(schedule), optax.adam(1e-2))
   state = fxaccum.TrainState.create(apply_fn=MODEL.apply, params=PARAMS, tx=tx)
+  train_step = jax.jit(lambda state, x, y: state.apply_gradients(
+      grads=jax.grad(mse)(state.params, x, y)))
   steps_seen = []
   for call in range(sum(windows)):
-    state = state.apply_gradients(grads=jax.grad(mse)(state.params, x[call], y[call]))
+    state = train_step(state, x[call], y[call])
     steps_seen.append(int(state.step))
   assert steps_seen == [1, 1, 2, 2, 2, 3]
 
   inner = optax.adam(1e-2)
+
+  @jax.jit
+  def ref_step(params, inner_state, xb, yb):
+    updates, inner_state = inner.update(jax.grad(mse)(params, xb, yb), inner_state, params)
+    return optax.apply_updates(params, updates), inner_state
+
   params, inner_state, start = PARAMS, inner.init(PARAMS), 0
   for w in windows:
-    g = jax.grad(mse)(params, x[start:start + w].reshape(-1, 4), y[start:start + w].reshape(-1, 2))
-    updates, inner_state = inner.update(g, inner_state, params)
-    params, start = optax.apply_updates(params, updates), start + w
+    params, inner_state = ref_step(params, inner_state, x[start:start + w].reshape(-1, 4),
+                                   y[start:start + w].reshape(-1, 2))
+    start += w
   assert_tree_close(state.params, params, rtol=1e-6)
 
 
@@ -215,13 +240,15 @@ def test_skip_nonfinite_drops_the_call():
   """A skipped call is as if it never happened (optax.MultiSteps' semantics): the window
   ends after K good calls, on their mean."""
   x, y = data(K + 1)
+  grad_fn = jax.jit(jax.grad(mse))
+  apply = jax.jit(fxaccum.apply_gradients, static_argnums=0)  # op by op: 3 s
   tx = optax.chain(fxaccum.accumulate(K, skip_nonfinite=True), optax.sgd(1.0))
   params, opt_state = PARAMS, tx.init(PARAMS)
   for call in range(K + 1):
-    g = jax.grad(mse)(PARAMS, x[call], y[call])
+    g = grad_fn(PARAMS, x[call], y[call])
     if call == 2:
       g = jax.tree.map(lambda a: a.at[(0,) * a.ndim].set(jnp.nan), g)
-    params, opt_state = fxaccum.apply_gradients(tx, g, opt_state, PARAMS)
+    params, opt_state = apply(tx, g, opt_state, PARAMS)
     if call == K - 1:  # K calls, one skipped: the window is not complete
       assert int(opt_state[0].optimizer_step) == 0 and int(opt_state[0].micro_step) == K - 1
   kept = [c for c in range(K + 1) if c != 2]
@@ -233,9 +260,9 @@ def test_skip_nonfinite_drops_the_call():
   tx = optax.chain(fxaccum.accumulate(K), optax.sgd(1.0))
   params, opt_state = PARAMS, tx.init(PARAMS)
   for call in range(K):
-    g = jax.grad(mse)(PARAMS, x[call], y[call])
+    g = grad_fn(PARAMS, x[call], y[call])
     g = jax.tree.map(lambda a: a.at[(0,) * a.ndim].set(jnp.nan), g) if call == 2 else g
-    params, opt_state = fxaccum.apply_gradients(tx, g, opt_state, PARAMS)
+    params, opt_state = apply(tx, g, opt_state, PARAMS)
   assert any(bool(jnp.isnan(p).any()) for p in jax.tree.leaves(params))
 
 
@@ -272,9 +299,9 @@ def test_donated_state_is_aliased_and_scan_over_calls():
   # lax.scan over calls gives the same result as a Python loop of jitted calls.
   scanned, _ = jax.jit(lambda s, x, y: jax.lax.scan(
       lambda s, xy: (train_step(s, *xy), None), s, (x, y)))(state, x, y)
-  looped = state
+  looped, jitted = state, jax.jit(train_step)
   for call in range(K * 2):
-    looped = jax.jit(train_step)(looped, x[call], y[call])
+    looped = jitted(looped, x[call], y[call])
   assert_tree_close(scanned.params, looped.params, rtol=1e-6)
   assert int(scanned.step) == int(looped.step) == 2
 
@@ -339,8 +366,9 @@ def test_nnx_scan_over_calls_matches_a_loop():
 
   run_all(model, opt, x, y)
   ref_model, ref_opt = build()
+  ref_call = nnx.jit(one_call)  # one wrapper: nnx.jit(one_call) in the loop compiled 8 times
   for call in range(K * 2):
-    nnx.jit(one_call)(ref_model, ref_opt, x[call], y[call])
+    ref_call(ref_model, ref_opt, x[call], y[call])
   assert int(opt.step[...]) == int(ref_opt.step[...]) == 2
   assert_tree_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param), rtol=1e-6)
 

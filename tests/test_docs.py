@@ -4,8 +4,10 @@ and the docs runs as written."""
 
 import doctest
 import inspect
+import json
 import os
 import re
+import select
 import subprocess
 import sys
 import textwrap
@@ -223,15 +225,125 @@ CHECKS = {
 }
 
 
+# Runs snippets one after another in one interpreter (one per test worker), each as
+# `python -c` runs it: in a fresh __main__ module, with sys.argv ["-c"], in its own working
+# directory, its stdout and stderr (file descriptors 1 and 2) in files of its own, and an
+# uncaught exception's traceback on its stderr and exit status 1. (A fresh interpreter for
+# each snippet spent most of this file's time importing JAX, Flax and Optax again.) Each
+# snippet imports what it uses: a name it does not import is a NameError, as for a reader.
+# After a snippet that fails (but for one marked `raises`, as its page says), or that
+# changes global state (os.environ, jax.config, a mesh left set), the runner exits and the
+# next snippet gets a new interpreter. It reads one job per line on stdin and answers each
+# with its exit status on a line of stdout.
+RUNNER = r"""
+import builtins, json, os, sys, traceback, types
+import jax  # every snippet imports it; here to read its global state (it sets os.environ)
+
+def global_state():
+  return {"environ": dict(os.environ),
+          "config": {k: repr(v) for k, v in jax.config.values.items()},
+          "mesh": (repr(jax.sharding.get_abstract_mesh()), repr(jax.sharding.get_mesh()))}
+
+answers = os.dup(1)
+for line in sys.stdin:
+  job = json.loads(line)
+  before = global_state()
+  os.chdir(job["cwd"])
+  sys.argv = ["-c"]
+  main = types.ModuleType("__main__")
+  main.__builtins__ = builtins
+  sys.stdout.flush(); sys.stderr.flush()
+  saved = os.dup(1), os.dup(2), sys.modules["__main__"]
+  with open(job["stdout"], "w") as out, open(job["stderr"], "w") as err:
+    os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+    sys.modules["__main__"] = main
+    try:
+      exec(compile(job["code"], "<string>", "exec"), main.__dict__)
+      status = 0
+    except SystemExit as e:
+      status = e.code if isinstance(e.code, int) else int(e.code is not None)
+      if not isinstance(e.code, int | None):
+        print(e.code, file=sys.stderr)
+    except BaseException:
+      traceback.print_exc()
+      status = 1
+    sys.stdout.flush(); sys.stderr.flush()
+    sys.modules["__main__"] = saved[2]
+    os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+    os.close(saved[0]); os.close(saved[1])
+  after = global_state()
+  changed = [k for k in after if after[k] != before[k]]
+  os.write(answers, (json.dumps({"status": status, "changed": changed}) + "\n").encode())
+  if (status != 0 and not job["raises"]) or changed:
+    break
+"""
+
+
+class SnippetRunner:
+  """The RUNNER interpreter, started on first use and again after it exits."""
+
+  def __init__(self, tmp_dir):
+    self.tmp_dir, self.process, self.count = tmp_dir, None, 0
+
+  def run(self, code, raises=False, timeout=300):
+    """Runs `code` as `python -c` would, with the suite's 8 CPU devices; returns a
+    CompletedProcess (returncode, stdout, stderr). `raises`: the snippet is expected to
+    fail; the interpreter goes on to the next one if it leaves global state as it was."""
+    if self.process is None or self.process.poll() is not None:
+      self.log = self.tmp_dir / f"runner{self.count}.log"
+      with open(self.log, "w") as log:
+        self.process = subprocess.Popen([sys.executable, "-c", RUNNER], cwd=self.tmp_dir,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=log, text=True)
+    self.count += 1
+    cwd = self.tmp_dir / f"snippet{self.count}"
+    cwd.mkdir()
+    out, err = (self.tmp_dir / f"{self.count}.{name}" for name in ("stdout", "stderr"))
+    job = {"code": code, "cwd": str(cwd), "stdout": str(out), "stderr": str(err),
+           "raises": raises}
+    self.process.stdin.write(json.dumps(job) + "\n")
+    self.process.stdin.flush()
+    answer = ""
+    if select.select([self.process.stdout], [], [], timeout)[0]:
+      answer = self.process.stdout.readline()
+    if not answer:  # the interpreter died (or hung) in this snippet: its failure
+      self.close()
+      status = self.process.returncode or 1
+    else:
+      answer = json.loads(answer)
+      status = answer["status"]
+      if (status != 0 and not raises) or answer["changed"]:  # the runner exits: wait
+        self.process.wait(timeout=60)
+    read = lambda path: path.read_text() if path.exists() else ""  # noqa: E731
+    stderr = read(err) + ("" if answer else f"\n[runner]\n{read(self.log)}")
+    return subprocess.CompletedProcess([], status, read(out), stderr)
+
+  def close(self):
+    if self.process is not None and self.process.poll() is None:
+      self.process.stdin.close()
+      try:
+        self.process.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def snippet_runner(tmp_path_factory):
+  runner = SnippetRunner(tmp_path_factory.mktemp("snippets"))
+  yield runner
+  runner.close()
+
+
 @pytest.mark.parametrize("name", sorted(SNIPPETS))
-def test_snippet_runs_as_written(name, tmp_path):
-  """Every python block of the README and the docs is a complete program: it runs in a
-  fresh interpreter (and prints what its page says, where CHECKS knows it)."""
+def test_snippet_runs_as_written(name, snippet_runner):
+  """Every python block of the README and the docs is a complete program: it runs on its
+  own, as `python -c` runs it (see RUNNER), and prints what its page says, where CHECKS
+  knows it."""
   marker, arg, code = SNIPPETS[name]
   if marker == "skip":
     pytest.skip(arg)
-  result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)  # with the suite's 8 CPU devices
+  result = snippet_runner.run(code, raises=marker == "raises")
   error, _, lifted_in = arg.partition(" until JAX ")
   if marker == "raises" and not (lifted_in and JAX_VERSION >= version_tuple(lifted_in)):
     assert result.returncode != 0 and error in result.stderr, (code, result.stderr[-3000:])

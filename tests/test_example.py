@@ -19,7 +19,7 @@ def proof_row(out: str, label: str) -> list[float]:
 def test_train_lm_fast_path_proves_its_claims(tmp_path, mesh, k):
   plot = tmp_path / "loss.png"
   out = run_script("examples/train_lm.py", "--steps", "3", "--mesh", mesh,
-                   "--micro-batches", str(k), "--plot", str(plot))
+                   "--micro-batches", str(k), "--plot", str(plot), "--layers", "1")
   fx, scan, multisteps = proof_row(out, "max rel. gradient error vs large batch")
   assert fx < 1e-5 and scan < 1e-5, out
   assert multisteps > 1e-2, out  # mean of micro-batch means: the negative control
@@ -44,7 +44,8 @@ def test_resume_example_is_bit_identical_after_a_kill(tmp_path):
   cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY": "true"}
-  out = run_script("examples/resume_lm.py", "--calls", "8", "--kill-at", "6", env=cache)
+  out = run_script("examples/resume_lm.py", "--calls", "8", "--kill-at", "6", "--layers", "1",
+                   env=cache)
   assert "[killed] killed after call 6 (micro_step 2)" in out, out
   assert "killed-and-resumed vs uninterrupted: bit-identical" in out, out
 

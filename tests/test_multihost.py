@@ -1,14 +1,16 @@
 """Two processes x 4 CPU devices on JAX's own distributed runtime == one process x 8 devices.
 
-Select with ``pytest -m multihost``. Each run launches tests/multihost_worker.py twice
-(process 0 and 1, gloo collectives on a free loopback port) and compares what process 0
-wrote with the same scenario run here on 8 local devices, and with an independent
-large-batch reference. Workers always end: a deadline kills both process groups, and a
-failure shows both workers' logs.
+Select with ``pytest -m multihost``. A launch starts tests/multihost_worker.py twice
+(process 0 and 1, gloo collectives on a free loopback port), which run several scenarios
+one after the other. The module launches once (``LAUNCHES``) and each test compares what
+process 0 wrote for its scenario with the same scenario run here on 8 local devices, and
+with an independent large-batch reference. Workers always end: a deadline kills both
+process groups, and a failure shows both workers' logs.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -37,7 +39,13 @@ from test_sp import reference, skewed_batch
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
-DEADLINE_S = 240  # a 2-process run takes ~20 s here; a hang must not eat CI's budget
+DEADLINE_S = 240  # a launch takes ~45 s here; a hang must not eat CI's budget
+# What each launch of the two processes runs, in order: one launch, its processes' start
+# (imports, the distributed runtime) paid once. The checkpoint saved mid-window is resumed
+# after two other scenarios, by a new CheckpointManager into a fresh state (and by this
+# process, which did not write it).
+LAUNCHES = (("instep", "crossstep", "checkpoint_save", "sequence_parallel", "pipeline",
+             "checkpoint_resume"),)
 
 
 def free_port() -> int:
@@ -46,13 +54,14 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def launch(scenario: str, out_dir: Path) -> dict[str, np.ndarray]:
-  """Runs ``scenario`` on 2 processes and returns what process 0 saved."""
+def launch(scenarios: tuple[str, ...], out_dir: Path) -> dict[str, dict[str, np.ndarray]]:
+  """Runs ``scenarios`` in turn on 2 processes and returns what process 0 saved for each."""
   env = subprocess_env()
   port, logs, procs = free_port(), [], []
+  scenario = ",".join(scenarios)
   try:
     for process_id in range(2):
-      log = open(out_dir / f"{scenario}.{process_id}.log", "w+")
+      log = open(out_dir / f"{'+'.join(scenarios)}.{process_id}.log", "w+")
       logs.append(log)
       procs.append(subprocess.Popen(
           [sys.executable, str(WORKER), scenario, str(process_id), str(port), str(out_dir)],
@@ -77,8 +86,28 @@ def launch(scenario: str, out_dir: Path) -> dict[str, np.ndarray]:
     pytest.fail("\n".join(report), pytrace=False)
   for log in logs:
     log.close()
-  with np.load(out_dir / f"{scenario}.npz") as saved:
-    return dict(saved)
+  results = {}
+  for name in scenarios:
+    with np.load(out_dir / f"{name}.npz") as saved:
+      results[name] = dict(saved)
+  return results
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[Path, dict[str, dict[str, np.ndarray]]]:
+  """The launches, once for the module: their shared directory, and what process 0 saved
+  for every scenario."""
+  out_dir = tmp_path_factory.mktemp("multihost")
+  results = {}
+  for scenarios in LAUNCHES:
+    results |= launch(scenarios, out_dir)
+  return out_dir, results
+
+
+@functools.cache
+def one_process(scenario: str, out_dir: Path) -> dict[str, np.ndarray]:
+  """``scenario`` run here, on 8 local devices (once: crossstep is compared twice)."""
+  return SCENARIOS[scenario](str(out_dir))
 
 
 def assert_results_close(multi, single, rtol=1e-6):
@@ -104,9 +133,10 @@ def by_prefix(results: dict, prefix: str) -> dict:
   return {name: value for name, value in results.items() if name.startswith(prefix)}
 
 
-def test_instep_two_processes_match_one(tmp_path):
-  multi = launch("instep", tmp_path)
-  assert_results_close(multi, SCENARIOS["instep"](str(tmp_path)))
+def test_instep_two_processes_match_one(two_processes):
+  out_dir, results = two_processes
+  multi = results["instep"]
+  assert_results_close(multi, one_process("instep", out_dir))
 
   ref_loss, ref_grads = jax.value_and_grad(reference_token_mean)(make_params(),
                                                                  make_data(k=K))
@@ -120,9 +150,10 @@ def test_instep_two_processes_match_one(tmp_path):
   assert multi["plan/k"] > 1 and multi["plan/peaks"][-1] < multi["plan/peaks"][0]
 
 
-def test_crossstep_two_processes_match_one(tmp_path):
-  multi = launch("crossstep", tmp_path)
-  assert_results_close(multi, SCENARIOS["crossstep"](str(tmp_path)))
+def test_crossstep_two_processes_match_one(two_processes):
+  out_dir, results = two_processes
+  multi = results["crossstep"]
+  assert_results_close(multi, one_process("crossstep", out_dir))
   assert multi["step"] == CALLS // K
   reference = large_batch_adam(CALLS)
   for part in ("params", "mu", "nu"):
@@ -130,24 +161,26 @@ def test_crossstep_two_processes_match_one(tmp_path):
     assert_tree_close({k: got[f"{part}['{k}']"] for k in reference[part]}, reference[part])
 
 
-def test_mid_window_checkpoint_two_processes(tmp_path):
+def test_mid_window_checkpoint_two_processes(two_processes):
   """2 processes save mid-window to a shared dir; 2 processes resume == 1 process, no stop.
 
   The same checkpoint also resumes in this single process (8 local devices)."""
-  saved = launch("checkpoint_save", tmp_path)
+  out_dir, results = two_processes
+  saved = results["checkpoint_save"]
   assert saved["micro_step"] == SAVE_AT % K  # really mid-window
-  resumed = launch("checkpoint_resume", tmp_path)
-  uninterrupted = SCENARIOS["crossstep"](str(tmp_path))
+  resumed = results["checkpoint_resume"]
+  uninterrupted = one_process("crossstep", out_dir)
   assert_results_close(resumed, uninterrupted)
 
-  assert_results_close(SCENARIOS["checkpoint_resume"](str(tmp_path)), uninterrupted)
+  assert_results_close(SCENARIOS["checkpoint_resume"](str(out_dir)), uninterrupted)
 
 
-def test_sequence_parallel_per_rank_two_processes(tmp_path):
+def test_sequence_parallel_per_rank_two_processes(two_processes):
   """Per-rank code over (data 2, seq 4), data across the processes: == 1 process, == the
   single-device token mean, and no reduction inside the micro-batch loop."""
-  multi = launch("sequence_parallel", tmp_path)
-  assert_results_close(multi, SCENARIOS["sequence_parallel"](str(tmp_path)))
+  out_dir, results = two_processes
+  multi = results["sequence_parallel"]
+  assert_results_close(multi, one_process("sequence_parallel", out_dir))
   ref = reference(ulysses.make_params(), skewed_batch((2, 4)))
   assert_tree_close(multi["sp/[0]"], ref[0])
   grads = {k: v for k, v in multi.items() if k.startswith("sp/[1]")}
@@ -158,11 +191,12 @@ def test_sequence_parallel_per_rank_two_processes(tmp_path):
   assert multi["sp/reductions_loop"] == 0 and multi["sp/reductions_top"] >= 1
 
 
-def test_pipeline_two_processes(tmp_path):
+def test_pipeline_two_processes(two_processes):
   """fxaccum.pipeline over (data 2, stage 4), data across the processes: == 1 process, ==
   the sequential model on one device, one data reduction after the loop."""
-  multi = launch("pipeline", tmp_path)
-  assert_results_close(multi, SCENARIOS["pipeline"](str(tmp_path)))
+  out_dir, results = two_processes
+  multi = results["pipeline"]
+  assert_results_close(multi, one_process("pipeline", out_dir))
   ref_loss, ref_grads = test_pipeline.reference(test_pipeline.make_params(4),
                                                 test_pipeline.make_batch(4))
   assert_tree_close(multi["pipeline/['loss']"], ref_loss)

@@ -3,6 +3,8 @@ device (plain jax.value_and_grad of the same layers in a Python loop)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,10 +73,16 @@ def sequential(stages, h):
   return h
 
 
+def value_and_grad(body):
+  """jax.value_and_grad of the token mean with the stages run by ``body``, jitted: one
+  compilation per configuration instead of one per op (and stage index) run eagerly."""
+  return jax.jit(jax.value_and_grad(lambda p, batch: token_sums(p, batch, body).value()))
+
+
 def reference(params, batch):
   """The sequential model on one device: the token mean over all valid tokens."""
   with jax.default_matmul_precision("highest"):
-    return jax.value_and_grad(lambda p: token_sums(p, batch, sequential).value())(params)
+    return SEQUENTIAL(params, batch)
 
 
 def pipelined_loss(k: int, remat: bool = True, **schedule):
@@ -100,7 +108,14 @@ def place(params, batch, mesh):
 def run(stages, k, axis_type=AxisType.Auto, outer=1, remat=True, differentiate="fxaccum",
         schedule="gpipe", repeats=1):
   """The pipelined token loss's value and gradients under fxaccum.value_and_grad (over
-  `outer` micro-batches) or jax.value_and_grad, and (step, args, mesh)."""
+  `outer` micro-batches) or jax.value_and_grad, and (step, args, mesh). Cached: tests that
+  check other properties of the same program (its collectives, its memory) share one
+  compilation and run; every result is an immutable array."""
+  return _run(stages, k, axis_type, outer, remat, differentiate, schedule, repeats)
+
+
+@functools.cache
+def _run(stages, k, axis_type, outer, remat, differentiate, schedule, repeats):
   shape, names = MESHES[stages]
   mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
   loss = pipelined_loss(k, remat, schedule=schedule, repeats=repeats)
@@ -115,19 +130,34 @@ def run(stages, k, axis_type=AxisType.Auto, outer=1, remat=True, differentiate="
     return step(*args), (step, args, mesh)
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("stages", [2, 4, 8])
+def compiled_step(step, args, mesh):
+  """``run``'s step compiled in the context it ran in (mesh, matmul precision): the program
+  that ran, from JAX's caches, not a second compilation."""
+  with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+    return step.lower(*args).compile()
+
+
+def report_of(step, args, mesh):
+  """fxaccum.diagnostics' report of ``run``'s step (see ``compiled_step``)."""
+  return fxaccum.diagnostics.from_compiled(compiled_step(step, args, mesh), mesh=mesh)
+
+
+# Each path of GPipe once: k = 1 and k below S, not a multiple of it (x gathered over the
+# stages, outputs summed over them); k = S and k = 2S (x and the outputs streamed over the
+# stages); on tensor-parallel stages (S = 2, with a model axis), with data and stage axes
+# (S = 4), and with a stage axis only (S = 8, no data axis).
+@pytest.mark.parametrize("stages,k", [(2, 1), (2, 4), (4, 2), (4, 4), (4, 8), (8, 8)])
 def test_pipeline_matches_the_sequential_model(stages, k):
   (loss, grads), _ = run(stages, k)
-  ref_loss, ref_grads = reference(make_params(stages), make_batch(k))
+  ref_loss, ref_grads = expected(stages, k)
   assert_tree_close(loss, ref_loss, rtol=1e-5)
   assert_tree_close(grads, ref_grads, rtol=1e-5)
 
 
-@pytest.mark.parametrize("stages,k", [(4, 4), (2, 2)])
+@pytest.mark.parametrize("stages,k", [(4, 4), (2, 4)])
 def test_explicit_meshes(stages, k):
   (loss, grads), _ = run(stages, k, AxisType.Explicit)
-  ref_loss, ref_grads = reference(make_params(stages), make_batch(k))
+  ref_loss, ref_grads = expected(stages, k)
   assert_tree_close(loss, ref_loss, rtol=1e-5)
   assert_tree_close(grads, ref_grads, rtol=1e-5)
   spec = jax.typeof(grads["stages"]["w1"]).sharding.spec
@@ -138,7 +168,7 @@ def test_inside_in_step_accumulation():
   """fxaccum.value_and_grad over 2 micro-batches, each pipelined in 2: the token mean of
   the whole batch (the all-padding micro-batch included)."""
   (loss, grads), _ = run(4, 2, outer=2)
-  ref_loss, ref_grads = reference(make_params(4), make_batch(2))
+  ref_loss, ref_grads = expected(4, 2)
   assert_tree_close(loss, ref_loss, rtol=1e-5)
   assert_tree_close(grads, ref_grads, rtol=1e-5)
 
@@ -159,23 +189,52 @@ def virtual_stages(stages, h):
   return h
 
 
+SEQUENTIAL, VIRTUAL_STAGES = value_and_grad(sequential), value_and_grad(virtual_stages)
+
+
 def circular_reference(params, batch):
   with jax.default_matmul_precision("highest"):
-    return jax.value_and_grad(lambda p: token_sums(p, batch, virtual_stages).value())(params)
+    return VIRTUAL_STAGES(params, batch)
 
 
-@pytest.mark.parametrize("differentiate", ["fxaccum", "jax"])
-@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
-@pytest.mark.parametrize("stages,k,repeats", [
-    (2, 2, 2), (2, 4, 1), (2, 8, 2), (4, 4, 2), (4, 8, 1), (4, 16, 2)])
+@functools.cache
+def expected(stages, k, repeats=0):
+  """The reference for ``run(stages, k, ...)``: the sequential model (``repeats=0``: GPipe,
+  1F1B) or the circular schedule's virtual stages, computed once per configuration (it
+  does not depend on the mesh's axis types or on how the pipeline is differentiated)."""
+  if repeats:
+    return circular_reference(circular_params(stages, repeats), make_batch(k))
+  return reference(make_params(stages), make_batch(k))
+
+
+AUTO, EXPLICIT = ("auto", AxisType.Auto), ("explicit", AxisType.Explicit)
+
+
+def schedule_cases(*cases):
+  """pytest params with readable ids: (stages, k[, repeats], (name, axis type), how)."""
+  return [pytest.param(*case[:-2], case[-2][1], case[-1],
+                       id="-".join(map(str, (*case[:-2], case[-2][0], case[-1]))))
+          for case in cases]
+
+
+# Not the full product of (S, k, R), axis types and differentiators: fxaccum.value_and_grad
+# over one micro-batch runs the step as jax.value_and_grad does (view 'global'), and k
+# only moves the iteration at which a round's outputs come back to device 0 (k = S: the
+# next one). R = 1 (tensor-parallel, S = 2) and R = 2 with k = S and k > S; each S on Auto
+# and Explicit meshes (tensor-parallel stages on an Explicit mesh differentiate by their
+# own vjp rule) and under both differentiators. test_tensor_parallel_...[circular] adds
+# (2, 4, 2) on an Explicit mesh under fxaccum.value_and_grad.
+@pytest.mark.parametrize("stages,k,repeats,axis_type,differentiate", schedule_cases(
+    (2, 2, 2, AUTO, "jax"), (2, 4, 1, EXPLICIT, "jax"), (4, 4, 2, EXPLICIT, "fxaccum"),
+    (4, 8, 2, AUTO, "jax")))
 def test_circular_schedule_matches_the_virtual_stages(stages, k, repeats, axis_type,
                                                       differentiate):
   """Exact against R * S stages in a Python loop on one device: S in {2, 4} (S = 2 with
-  tensor-parallel stages), k in {S, 2S, 4S}, R in {1, 2}, Auto and Explicit meshes, under
+  tensor-parallel stages), k in {S, 2S}, R in {1, 2}, Auto and Explicit meshes, under
   fxaccum.value_and_grad and jax.value_and_grad, on the skewed token batch."""
   (loss, grads), _ = run(stages, k, axis_type, differentiate=differentiate,
                          schedule="circular", repeats=repeats)
-  ref_loss, ref_grads = circular_reference(circular_params(stages, repeats), make_batch(k))
+  ref_loss, ref_grads = expected(stages, k, repeats)
   assert_tree_close(loss, ref_loss, rtol=1e-5)
   assert_tree_close(grads, ref_grads, rtol=1e-5)
 
@@ -185,7 +244,7 @@ def test_circular_schedule_runs_k_times_r_plus_s_minus_1_iterations():
   each (the last device hands its outputs back to the first), the stage gradients reduced
   over the data axes once; the bubble is (S - 1) / (k R + S - 1)."""
   _, (step, args, mesh) = run(4, 8, differentiate="jax", schedule="circular", repeats=2)
-  report = fxaccum.diagnostics.report(step, *args, mesh=mesh)
+  report = report_of(step, args, mesh)
   permutes = report.select("collective-permute")
   assert {c.executions for c in permutes} == {8 * 2 + 3}, report.summary()
   assert report.reductions("loop", axes="data") == [], report.summary()
@@ -196,19 +255,23 @@ def test_circular_schedule_runs_k_times_r_plus_s_minus_1_iterations():
 def test_1f1b_inside_in_step_accumulation():
   """fxaccum.value_and_grad over 2 micro-batches, each through the 1F1B pipeline in 2."""
   (loss, grads), _ = run(4, 2, outer=2, schedule="1f1b")
-  ref_loss, ref_grads = reference(make_params(4), make_batch(2))
+  ref_loss, ref_grads = expected(4, 2)
   assert_tree_close(loss, ref_loss, rtol=1e-5)
   assert_tree_close(grads, ref_grads, rtol=1e-5)
 
 
-@pytest.mark.parametrize("differentiate", ["fxaccum", "jax"])
-@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
-@pytest.mark.parametrize("stages,k", [(2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16)])
+# As for the circular schedule: each S with k = S (fewer micro-batches than the 2S - 1
+# slots of the ring of stage inputs) and k = 2S (slots reused), on Auto and Explicit
+# meshes and under both differentiators; (2, 4, Explicit, fxaccum) is also
+# test_tensor_parallel_...[1f1b]'s program.
+@pytest.mark.parametrize("stages,k,axis_type,differentiate", schedule_cases(
+    (2, 2, AUTO, "jax"), (2, 4, EXPLICIT, "fxaccum"), (4, 4, EXPLICIT, "jax"),
+    (4, 8, AUTO, "fxaccum")))
 def test_1f1b_matches_the_sequential_model(stages, k, axis_type, differentiate):
   """1F1B (forward kept nothing; the backward is one wavefront scan): exact against the
   stages in a Python loop on one device, as GPipe is; S = 2 with tensor-parallel stages."""
   (loss, grads), _ = run(stages, k, axis_type, differentiate=differentiate, schedule="1f1b")
-  ref_loss, ref_grads = reference(make_params(stages), make_batch(k))
+  ref_loss, ref_grads = expected(stages, k)
   assert_tree_close(loss, ref_loss, rtol=1e-5)
   assert_tree_close(grads, ref_grads, rtol=1e-5)
 
@@ -250,7 +313,7 @@ def test_gpipe_hands_activations_one_way():
   """GPipe's permute pairs are s -> s + 1 only: nothing travels from the last stage back
   to the first."""
   _, (step, args, mesh) = run(4, 4)
-  text = step.lower(*args).compile().as_text()
+  text = compiled_step(step, args, mesh).as_text()
   pairs = {line.split("source_target_pairs=")[1].split("}}")[0]
            for line in text.splitlines() if "collective-permute" in line
            and "source_target_pairs=" in line}
@@ -265,7 +328,7 @@ def test_mean_of_micro_batch_means_is_wrong_on_this_data():
     part = jax.tree.map(lambda a, i=i: a[i::4], batch)
     if part["mask"].sum():
       means.append(token_sums(params, part, sequential).value())
-  assert abs(float(np.mean(means)) - float(reference(params, batch)[0])) > 1e-2
+  assert abs(float(np.mean(means)) - float(expected(4, 4)[0])) > 1e-2
 
 
 def test_one_data_reduction_and_one_permute_per_iteration():
@@ -276,7 +339,7 @@ def test_one_data_reduction_and_one_permute_per_iteration():
   `stage`, and the head and loss after the pipeline run sharded over the stages."""
   stages, k = 4, 4
   _, (step, args, mesh) = run(stages, k)
-  report = fxaccum.diagnostics.report(step, *args, mesh=mesh)
+  report = report_of(step, args, mesh)
   assert report.reductions("loop", axes="data") == []
   # The stage gradients in one data-axis reduction (all-reduces, which XLA combines;
   # fxaccum's buckets are for reduce-scatters, which XLA:CPU does not combine). The head's
@@ -300,15 +363,15 @@ def test_gpipe_with_k_below_s_sums_outputs_over_the_stages():
   it (the unstreamed GPipe), one permute per iteration each way."""
   stages, k = 4, 2
   _, (step, args, mesh) = run(stages, k)
-  report = fxaccum.diagnostics.report(step, *args, mesh=mesh)
+  report = report_of(step, args, mesh)
   permutes = report.select("collective-permute")
   assert len(permutes) == 2 and {c.executions for c in permutes} == {k + stages - 1}
 
 
 def test_remat_stores_less_than_every_intermediate():
   def temp(remat):
-    _, (step, args, _) = run(4, 8, remat=remat)
-    return fxaccum.diagnostics.report(step, *args).memory.temp_bytes
+    _, (step, args, mesh) = run(4, 8, remat=remat)
+    return report_of(step, args, mesh).memory.temp_bytes
   assert temp(True) < temp(False)
 
 
@@ -400,33 +463,49 @@ def test_tensor_parallel_stages_on_an_explicit_mesh_gather_no_params(schedule):
   repeats = 2 if schedule == "circular" else 1
   (loss, grads), (step, args, mesh) = run(2, 4, AxisType.Explicit, schedule=schedule,
                                           repeats=repeats)
-  with jax.set_mesh(mesh):
-    rep = fxaccum.diagnostics.report(step, *args, mesh=mesh)
+  rep = report_of(step, args, mesh)
   assert rep.select("all-gather", axes="model") == [], rep.summary()
   assert jax.typeof(grads["stages"]["w1"]).sharding.spec[-1] == "model"
-  if schedule == "circular":
-    ref_loss, ref_grads = circular_reference(circular_params(2, repeats), make_batch(4))
-  else:
-    ref_loss, ref_grads = reference(make_params(2), make_batch(4))
+  ref_loss, ref_grads = expected(2, 4, repeats if schedule == "circular" else 0)
   assert_tree_close(loss, ref_loss, rtol=1e-5)
   assert_tree_close(grads, ref_grads, rtol=1e-5)
 
 
-def streamed_vjp_bytes(k, spec, schedule="1f1b", rows_per_micro_batch=2, width=32, tokens=16):
-  """Argument + temp bytes of the pipeline's vjp w.r.t. the stage params and x on an
-  Explicit (data 2, stage 4) mesh, x and the output cotangent typed ``spec``, a fixed
-  micro-batch; the result checked against the stages in a loop."""
-  mesh = jax.make_mesh((2, 4), ("data", "stage"), axis_types=(AxisType.Explicit,) * 2)
+def streamed_inputs(k, rows_per_micro_batch=2, width=32, tokens=16):
+  """Stage params and x for streamed_vjp_bytes: a fixed micro-batch, k of them."""
   rng = np.random.default_rng(0)
   params = {"w1": rng.normal(size=(4, width, 4 * width)).astype(np.float32) / 8,
             "w2": rng.normal(size=(4, 4 * width, width)).astype(np.float32) / 16}
   x = rng.normal(size=(2 * k * rows_per_micro_batch, tokens, width)).astype(np.float32)
+  return params, x
 
-  def stage_fn(p, h):
-    return h + jnp.tanh(h @ p["w1"]) @ p["w2"]
+
+def streamed_stage(p, h):
+  return h + jnp.tanh(h @ p["w1"]) @ p["w2"]
+
+
+@functools.cache
+def streamed_reference(k):
+  """The vjp of the 4 stages in a loop on one device (cotangent x), for streamed_inputs(k):
+  the same for every schedule and sharding of x."""
+  def vjp(params, x):
+    return jax.vjp(lambda p, x: jax.lax.fori_loop(
+        0, 4, lambda s, h: streamed_stage(jax.tree.map(lambda a: a[s], p), h), x),
+        params, x)[1](x)
+
+  with jax.default_matmul_precision("highest"):
+    return jax.jit(vjp)(*streamed_inputs(k))
+
+
+def streamed_vjp_bytes(k, spec, schedule="1f1b"):
+  """Argument + temp bytes of the pipeline's vjp w.r.t. the stage params and x on an
+  Explicit (data 2, stage 4) mesh, x and the output cotangent typed ``spec``, a fixed
+  micro-batch; the result checked against the stages in a loop."""
+  mesh = jax.make_mesh((2, 4), ("data", "stage"), axis_types=(AxisType.Explicit,) * 2)
+  params, x = streamed_inputs(k)
 
   def vjp(p, x, dy):
-    return jax.vjp(lambda p, x: fxaccum.pipeline(stage_fn, p, x, micro_batches=k,
+    return jax.vjp(lambda p, x: fxaccum.pipeline(streamed_stage, p, x, micro_batches=k,
                                                  schedule=schedule), p, x)[1](dy)
 
   with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
@@ -434,10 +513,7 @@ def streamed_vjp_bytes(k, spec, schedule="1f1b", rows_per_micro_batch=2, width=3
             *jax.device_put((x, x), NamedSharding(mesh, spec)))
     compiled = jax.jit(vjp).lower(*args).compile()
     got = compiled(*args)
-    ref = jax.vjp(lambda p, x: jax.lax.fori_loop(
-        0, 4, lambda s, h: stage_fn(jax.tree.map(lambda a: a[s], p), h), x),
-        params, x)[1](x)
-  assert_tree_close(got, ref, rtol=1e-5)
+  assert_tree_close(got, streamed_reference(k), rtol=1e-5)
   if spec == P(("data", "stage")):  # x's gradient stays with its stage's share
     assert tuple(jax.typeof(got[1]).sharding.spec)[0] == ("data", "stage")
   memory = compiled.memory_analysis()
@@ -487,13 +563,34 @@ def test_reverse_over_reverse_through_the_custom_backward_passes():
     return jax.grad(lambda p: jnp.vdot(jax.grad(loss)(p)["w"], vector["w"]))(params)
 
   with jax.default_matmul_precision("highest"):
-    ref = hvp(lambda p, h: jax.lax.fori_loop(
-        0, 4, lambda s, h: stage_fn(jax.tree.map(lambda a: a[s], p), h), h))
+    ref = jax.jit(lambda: hvp(lambda p, h: jax.lax.fori_loop(
+        0, 4, lambda s, h: stage_fn(jax.tree.map(lambda a: a[s], p), h), h)))()
     for schedule in ("gpipe", "1f1b"):
       with jax.set_mesh(mesh):
         got = jax.jit(lambda schedule=schedule: hvp(lambda p, h: fxaccum.pipeline(
             stage_fn, p, h, micro_batches=4, schedule=schedule)))()
       assert_tree_close(got, ref, rtol=1e-4)
+
+
+def closure_inputs():
+  rng = np.random.default_rng(6)
+  w = (rng.normal(size=(4, 8, 8)) / 3).astype(np.float32)
+  return w, rng.normal(size=(16, 8)).astype(np.float32)
+
+
+@functools.cache
+def closure_reference():
+  """The gradient of the 4 stages in a loop, scale 1.5, on closure_inputs(): the reference
+  of every case of the test below (jitted, computed once)."""
+  w, x = closure_inputs()
+
+  def looped(w, scale):
+    h = x
+    for s in range(4):
+      h = jnp.tanh(h @ w[s]) * scale
+    return jnp.sum(h ** 2)
+
+  return jax.jit(jax.grad(looped))(w, np.float32(1.5))
 
 
 @pytest.mark.parametrize("schedule, k", [("gpipe", 4), ("gpipe", 2), ("circular", 4),
@@ -503,9 +600,7 @@ def test_a_differentiated_value_stage_fn_closes_over_names_the_fix(schedule, k):
   leaked tracer or a mesh mismatch): a ValueError now says to pass it in stage_params.
   Closing over a value that is not differentiated still works."""
   mesh = jax.make_mesh((2, 4), ("data", "stage"), axis_types=(AxisType.Auto,) * 2)
-  rng = np.random.default_rng(6)
-  w = (rng.normal(size=(4, 8, 8)) / 3).astype(np.float32)
-  x = rng.normal(size=(16, 8)).astype(np.float32)
+  w, x = closure_inputs()
 
   def loss(w, scale):
     stages = w[None] if schedule == "circular" else w
@@ -517,14 +612,7 @@ def test_a_differentiated_value_stage_fn_closes_over_names_the_fix(schedule, k):
     with pytest.raises(ValueError, match="closes over a value that is being differentiated"):
       jax.jit(jax.grad(loss, argnums=1))(w, jnp.float32(1.5))
     got = jax.jit(jax.grad(loss))(w, jnp.float32(1.5))  # scale traced, not differentiated
-
-  def looped(w, scale):
-    h = x
-    for s in range(4):
-      h = jnp.tanh(h @ w[s]) * scale
-    return jnp.sum(h ** 2)
-
-  assert_tree_close(got, jax.grad(looped)(w, np.float32(1.5)), rtol=1e-4)
+  assert_tree_close(got, closure_reference(), rtol=1e-4)
 
 
 @pytest.mark.parametrize("schedule, k, remat", [("gpipe", 4, True), ("1f1b", 2, True),

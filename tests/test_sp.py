@@ -5,6 +5,8 @@ Reference: the same model with ordinary attention on one device, total / count o
 whole batch (the DeepSpeed #5248 trap, per-rank means, is the negative control).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,10 +39,24 @@ def skewed_batch(mesh_shape, k=4):
   return batch
 
 
+@jax.jit
+@jax.value_and_grad
+def _token_mean(params, batch):
+  total, count = ulysses.token_sums_plain(params, batch)
+  return total / count
+
+
 def reference(params, batch):
+  """The token mean over the whole batch and its gradients, on one device (jitted: one
+  compilation per batch shape instead of one per op run eagerly)."""
   with jax.default_matmul_precision("highest"):
-    return jax.value_and_grad(lambda p: (lambda t, c: t / c)(
-        *ulysses.token_sums_plain(p, batch)))(params)
+    return _token_mean(params, batch)
+
+
+@functools.cache
+def expected(mesh_shape):
+  """``reference`` on ``skewed_batch(mesh_shape)``, computed once per mesh shape."""
+  return reference(ulysses.make_params(), skewed_batch(mesh_shape))
 
 
 def per_rank_step(mesh, loss, k, **kwargs):
@@ -57,8 +73,11 @@ def weighted_per_rank(params, batch):
   return fxaccum.Weighted(*ulysses.token_sums_per_rank(params, batch))
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)], ids=["data2_seq4", "data4_seq2"])
+# k = 1 (no loop) and k = 4 (a loop, its last micro-batch all padding) on the Explicit
+# (data 2, seq 4) mesh, k = 4 on the Auto (data 4, seq 2) one; k = 2 ran the same loop
+# (and runs on an Auto (data 2, seq 4) mesh in the tests below).
+@pytest.mark.parametrize("mesh_shape,k", [((2, 4), 1), ((2, 4), 4), ((4, 2), 4)],
+                         ids=["data2_seq4-1", "data2_seq4-4", "data4_seq2-4"])
 def test_per_rank_ulysses_matches_the_global_token_mean(mesh_shape, k):
   params, batch = ulysses.make_params(), skewed_batch(mesh_shape)
   axis_type = AxisType.Explicit if mesh_shape == (2, 4) else AxisType.Auto
@@ -68,7 +87,7 @@ def test_per_rank_ulysses_matches_the_global_token_mean(mesh_shape, k):
     args = (params, put(batch, mesh))
     got = step(*args)
     rep = diagnostics.report(step, *args)
-  assert_tree_close(got, reference(params, batch))
+  assert_tree_close(got, expected(mesh_shape))
   # Local sums in the loop; the one reduction of gradients, loss total and token count
   # over data x seq after it (XLA may split it into a few all-reduces).
   assert rep.reductions(place="loop") == [], rep.summary()
@@ -84,7 +103,7 @@ def test_naive_combinations_are_wrong_on_the_same_data():
   SP size too large) and the mean of micro-batch token means."""
   mesh_shape, k = (2, 4), 4
   params, batch = ulysses.make_params(), skewed_batch(mesh_shape)
-  ref_value, ref_grads = reference(params, batch)
+  ref_value, ref_grads = expected(mesh_shape)
   mesh = mesh_of(mesh_shape, AXES, AxisType.Auto)
 
   def trap(params, batch):
@@ -97,12 +116,16 @@ def test_naive_combinations_are_wrong_on_the_same_data():
         params, put(batch, mesh))
   assert abs(float(value) - float(ref_value)) > 1e-2 * float(ref_value)
 
-  def micro_mean(p, i):
-    micro = jax.tree.map(lambda a: a[i::k], batch)
+  @jax.jit
+  @jax.value_and_grad
+  def micro_mean(p, micro):
     total, count = ulysses.token_sums_plain(p, micro)
     return jnp.where(count > 0, total / jnp.maximum(count, 1), 0.0)
 
-  naive = jax.value_and_grad(lambda p: sum(micro_mean(p, i) for i in range(k)) / k)(params)
+  # The mean over the micro-batches of their token means, and its gradient: the mean of
+  # theirs (one compilation, for the micro-batch shape).
+  means = [micro_mean(params, jax.tree.map(lambda a, i=i: a[i::k], batch)) for i in range(k)]
+  naive = jax.tree.map(lambda *parts: sum(parts) / k, *means)
   assert abs(float(naive[0]) - float(ref_value)) > 1e-2 * float(ref_value)
   rel = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
             for a, b in zip(jax.tree.leaves(naive[1]), jax.tree.leaves(ref_grads), strict=True))
@@ -121,7 +144,7 @@ def test_a_loss_that_already_psums_its_weighted_parts():
 
   with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
     got = per_rank_step(mesh, summed_over_seq, 2)(params, put(batch, mesh))
-  assert_tree_close(got, reference(params, batch))
+  assert_tree_close(got, expected(mesh_shape))
 
 
 @pytest.mark.parametrize("form", ["pmean_of_means", "psum_over_psum", "weighted_psums",
@@ -208,7 +231,9 @@ def test_cross_step_deferred_sync_per_rank():
     return fxaccum.apply_gradients(tx, grads, opt_state, params)
 
   with jax.set_mesh(mesh):
-    opt_state = tx.init(jax.device_put(params, NamedSharding(mesh, P())))
+    # Placed as `run` returns them: both calls (and the report) use one compilation.
+    placed = jax.device_put(params, NamedSharding(mesh, P()))
+    opt_state = tx.init(placed)
     acc_spec = jax.tree.map(lambda _: P(AXES), opt_state[0].accumulator)
     state_specs = (opt_state[0]._replace(micro_step=P(), optimizer_step=P(),
                                          accumulator=acc_spec, weight=P(AXES), skipped=P(),
@@ -216,15 +241,17 @@ def test_cross_step_deferred_sync_per_rank():
                    jax.tree.map(lambda _: P(), opt_state[1]))
     run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), state_specs, SPEC),
                                 out_specs=(P(), state_specs)))
-    p = params
+    p = placed
     for batch in batches:
       p, opt_state = run(p, opt_state, put(batch, mesh))
       jax.block_until_ready(p)
     rep = diagnostics.report(run, p, opt_state, put(batches[0], mesh))
-  # Reference: the window's gradient is sum(total) / sum(count) over both calls.
-  both = jax.tree.map(lambda a, b: np.concatenate([a, b]), *batches)
-  _, grads = reference(params, both)
-  want = jax.tree.map(lambda w, g: w - 0.5 * g, params, grads)
+  # Reference: the window's gradient is sum(total) / sum(count) over both calls, the
+  # batches' token-mean gradients weighted by their token counts.
+  counts = [float(b["weights"].sum()) for b in batches]
+  grads = [expected(mesh_shape)[1], reference(params, batches[1])[1]]
+  window = jax.tree.map(lambda a, b: (counts[0] * a + counts[1] * b) / sum(counts), *grads)
+  want = jax.tree.map(lambda w, g: w - 0.5 * g, params, window)
   assert_tree_close(p, want)
   grad_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
   big = [c for c in rep.reductions() if c.bytes >= grad_bytes // 2]
@@ -248,6 +275,6 @@ def test_inside_a_shard_map_without_vma_checks_data_axes_must_be_named():
     step()(params, put(batch, mesh))
   with jax.set_mesh(mesh):  # named, it is the global token mean again
     got = step(data_axes=AXES)(params, put(batch, mesh))
-  want = reference(params, batch)
+  want = expected((2, 4))
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
   assert_tree_close(got[1], want[1])

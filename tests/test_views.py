@@ -34,15 +34,16 @@ from jax.sharding import PartitionSpec as P
 import fxaccum
 from fxaccum import diagnostics
 
-KS = (1, 2, 4)
+# k = 1 runs jax.value_and_grad's program; k > 1 the analysis and the loop (k = 2 and 4 alike).
+KS = (1, 4)
 ROWS, DIM, WIDTH = 64, 8, 16
 MESHES = {"dp8": ((8,), ("data",)), "data_x_model": ((4, 2), ("data", "model"))}
 
 
 def global_micro_batch_reference(loss, params, batch, k):
   """The contract: the mean of jax.value_and_grad over the k global micro-batches."""
-  results = [jax.value_and_grad(loss)(params, jax.tree.map(lambda a, i=i: a[i::k], batch))
-             for i in range(k)]
+  step = jax.jit(jax.value_and_grad(loss))
+  results = [step(params, jax.tree.map(lambda a, i=i: a[i::k], batch)) for i in range(k)]
   return jax.tree.map(lambda *xs: sum(xs) / k, *results)
 
 
@@ -82,7 +83,7 @@ def batchnorm_setup():
   rng = np.random.default_rng(1)
   batch = {"x": rng.normal(size=(ROWS, DIM)).astype(np.float32),
            "y": rng.normal(size=(ROWS,)).astype(np.float32)}
-  variables = model.init(jax.random.key(0), batch["x"])
+  variables = jax.jit(model.init)(jax.random.key(0), batch["x"])  # one compile, not one per op
   stats = variables["batch_stats"]
 
   def loss(params, batch):
@@ -117,11 +118,42 @@ MIXING = {"centred": centred_setup, "batchnorm": batchnorm_setup,
           "contrastive": contrastive_setup}
 
 
-@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
-@pytest.mark.parametrize("mesh_name", MESHES)
-@pytest.mark.parametrize("name", MIXING)
-def test_losses_that_mix_examples_are_exact(name, mesh_name, axis_type):
+def _read_only(tree):
+  """The tree with its numpy arrays made read-only (jax arrays are): safe to share."""
+  def freeze(a):
+    if isinstance(a, np.ndarray):
+      a = a.view()
+      a.flags.writeable = False
+    return a
+  return jax.tree.map(freeze, tree)
+
+
+@functools.cache
+def mixing_setup(name):
+  """MIXING[name](), built once per process and shared (read-only) by the tests below."""
   loss, params, batch, model_specs = MIXING[name]()
+  return loss, _read_only(params), _read_only(batch), model_specs
+
+
+@functools.cache
+def mixing_reference(name, k):
+  """The plain-JAX reference of mixing_setup(name) at k: the same for every mesh."""
+  loss, params, batch, _ = mixing_setup(name)
+  return global_micro_batch_reference(loss, params, batch, k)
+
+
+# centred (params sharded over "model" on the 2-D mesh) on each mesh with each axis type;
+# batchnorm and contrastive (replicated params) on each mesh and each axis type once.
+MIXING_CASES = [("centred", mesh_name, axis_type) for mesh_name in MESHES
+                for axis_type in AXIS_TYPES] + [
+    ("batchnorm", "dp8", AxisType.Auto), ("batchnorm", "data_x_model", AxisType.Explicit),
+    ("contrastive", "dp8", AxisType.Explicit), ("contrastive", "data_x_model", AxisType.Auto)]
+
+
+@pytest.mark.parametrize(("name", "mesh_name", "axis_type"), MIXING_CASES,
+                         ids=[f"{n}-{m}-{t.name.lower()}" for n, m, t in MIXING_CASES])
+def test_losses_that_mix_examples_are_exact(name, mesh_name, axis_type):
+  loss, params, batch, model_specs = mixing_setup(name)
   shape, names = MESHES[mesh_name]
   specs = model_specs if "model" in names else {}
   mesh = mesh_of(shape, names, axis_type)
@@ -133,7 +165,7 @@ def test_losses_that_mix_examples_are_exact(name, mesh_name, axis_type):
     got = step(*args)
     views = diagnostics.paths(step, *args)
   for k in KS:
-    assert_tree_close(got[k], global_micro_batch_reference(loss, params, batch, k))
+    assert_tree_close(got[k], mixing_reference(name, k))
   assert [p.view for p in views] == ["global"] * len(KS)
   # k = 1 runs as jax.value_and_grad (nothing to accumulate); k > 1 found the mixing.
   direct = [p for p in views if p.reason.startswith("one micro-batch")]
@@ -145,13 +177,13 @@ def test_losses_that_mix_examples_are_exact(name, mesh_name, axis_type):
 def test_per_device_view_of_a_mixing_loss_differs(name):
   """Negative control: forced per device (DDP without SyncBatchNorm), these losses give
   another result, so the exactness test above can tell the views apart."""
-  loss, params, batch, _ = MIXING[name]()
+  loss, params, batch, _ = mixing_setup(name)
   mesh = mesh_of((8,), ("data",), AxisType.Auto)
   with jax.set_mesh(mesh):
     sharded = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), batch)
     value, _ = jax.jit(fxaccum.value_and_grad(loss, micro_batches=1, view="device"))(
         params, sharded)
-  ref_value, _ = jax.value_and_grad(loss)(params, batch)
+  ref_value, _ = mixing_reference(name, 1)  # jax.value_and_grad on the whole batch
   assert abs(float(value) - float(ref_value)) > 1e-2 * abs(float(ref_value))
 
 
@@ -172,7 +204,7 @@ def sync_batchnorm_losses(seed, with_aux=False):
   rng = np.random.default_rng(seed)
   batch = {"x": rng.normal(size=(ROWS, DIM)).astype(np.float32),
            "y": rng.normal(size=(ROWS,)).astype(np.float32)}
-  variables = SyncBatchNormMLP().init(jax.random.key(0), batch["x"])
+  variables = jax.jit(SyncBatchNormMLP().init)(jax.random.key(0), batch["x"])
 
   def make_loss(model):
     def loss(params, batch):
@@ -214,7 +246,7 @@ def test_issue_example_batch_centred_loss():
   rng = np.random.default_rng(0)
   x = (rng.normal(size=(32, 4)) * np.arange(1, 33)[:, None] / 8).astype(np.float32)
   w = jnp.ones(4)
-  ref = jax.value_and_grad(loss)(w, x)
+  ref = jax.jit(jax.value_and_grad(loss))(w, x)
   for axis_type in AXIS_TYPES:
     mesh = mesh_of((8,), ("data",), axis_type)
     with jax.set_mesh(mesh):
@@ -333,7 +365,8 @@ def test_dropout_from_one_shared_key_is_global_and_matches_the_sequential_keys()
     return jnp.mean((jnp.where(keep, x @ w, 0.0) / 0.7) ** 2)
 
   k = 4
-  ref = [jax.value_and_grad(loss)(w, x[i::k], jax.random.fold_in(key, i)) for i in range(k)]
+  step = jax.jit(jax.value_and_grad(loss))
+  ref = [step(w, x[i::k], jax.random.fold_in(key, i)) for i in range(k)]
   ref = jax.tree.map(lambda *xs: sum(xs) / k, *ref)
   mesh = mesh_of((8,), ("data",), AxisType.Explicit)
   with jax.set_mesh(mesh):
@@ -454,6 +487,19 @@ def test_lm1b_style_fsdp_under_jit_on_an_auto_mesh(mesh_shape):
   assert temps[4] < temps[1], temps
 
 
+@functools.cache
+def gemma_reference():
+  """jax.value_and_grad of the full batch's token mean (gemma_style.make_batch(batch=32)),
+  on a one-device mesh: the same for both meshes (gemma_style.create gives the same values
+  on any mesh), so computed once."""
+  one = gemma_style.one_device_mesh()
+  graphdef, params, rest = gemma_style.create(one)
+  with jax.set_mesh(one), jax.default_matmul_precision("highest"):
+    return jax.jit(jax.value_and_grad(
+        lambda p, b: gemma_style.reference_loss(graphdef, p, rest, b)))(
+            params, gemma_style.put_batch(gemma_style.make_batch(batch=32), one))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)], ids=["fsdp8", "data2_fsdp4"])
 def test_gemma_style_nnx_model_on_an_explicit_mesh(mesh_shape):
@@ -462,12 +508,7 @@ def test_gemma_style_nnx_model_on_an_explicit_mesh(mesh_shape):
   names = ("fsdp",) if len(mesh_shape) == 1 else ("data", "fsdp")
   mesh = mesh_of(mesh_shape, names, AxisType.Explicit)
   batch = gemma_style.make_batch(batch=32)
-  one = gemma_style.one_device_mesh(names)
-  graphdef, ref_params, ref_rest = gemma_style.create(one)
-  with jax.set_mesh(one), jax.default_matmul_precision("highest"):
-    ref = jax.jit(jax.value_and_grad(
-        lambda p, b: gemma_style.reference_loss(graphdef, p, ref_rest, b)))(
-            ref_params, gemma_style.put_batch(batch, one))
+  ref = gemma_reference()
   graphdef, params, rest = gemma_style.create(mesh)
 
   def loss(params, batch):
@@ -481,16 +522,27 @@ def test_gemma_style_nnx_model_on_an_explicit_mesh(mesh_shape):
     assert jax.typeof(g).sharding.spec == jax.typeof(p).sharding.spec
 
 
-@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
-@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)], ids=["data2_seq4", "data4_seq2"])
+@functools.cache
+def ulysses_reference():
+  """ulysses.token_sums_plain and jax.value_and_grad of its token mean, jitted (op by op
+  they compile seconds of small programs), once for every mesh."""
+  params, batch = ulysses.make_params(), ulysses.make_batch()
+  sums = jax.jit(ulysses.token_sums_plain)(params, batch)
+  with jax.default_matmul_precision("highest"):
+    ref = jax.jit(jax.value_and_grad(lambda p, b: (lambda t, c: t / c)(
+        *ulysses.token_sums_plain(p, b))))(params, batch)
+  return sums, ref
+
+
+# Each mesh shape (4 or 2 heads' all-to-all) and each axis type, once.
+@pytest.mark.parametrize(("mesh_shape", "axis_type"),
+                         [((2, 4), AxisType.Auto), ((4, 2), AxisType.Explicit)],
+                         ids=["data2_seq4-auto", "data4_seq2-explicit"])
 def test_loss_with_its_own_shard_map_ulysses(mesh_shape, axis_type):
   """A loss whose attention is its own shard_map over `seq` (all-to-all): exact."""
   mesh = mesh_of(mesh_shape, ("data", "seq"), axis_type)
   params, batch = ulysses.make_params(), ulysses.make_batch()
-  total, count = ulysses.token_sums_plain(params, batch)
-  with jax.default_matmul_precision("highest"):
-    ref = jax.value_and_grad(lambda p: (lambda t, c: t / c)(
-        *ulysses.token_sums_plain(p, batch)))(params)
+  (total, count), ref = ulysses_reference()
 
   def loss(params, batch):
     return fxaccum.Weighted(*ulysses.token_sums(params, batch, custom_vjp=False))
@@ -514,7 +566,7 @@ def test_array_keyword_arguments_on_an_explicit_mesh():
     value = weighted_loss(p, b)
     return fxaccum.Weighted(scale * value.total, value.weight)
 
-  ref = jax.value_and_grad(lambda p, b: 1.5 * reference_token_mean(p, b))(params, data)
+  ref = jax.jit(jax.value_and_grad(lambda p, b: 1.5 * reference_token_mean(p, b)))(params, data)
   with jax.set_mesh(mesh):
     args = (put(params, mesh, {}), put(data, mesh, {k: P("data") for k in data}))
     scale = jax.device_put(jnp.float32(1.5), NamedSharding(mesh, P()))
@@ -527,26 +579,36 @@ def test_array_keyword_arguments_on_an_explicit_mesh():
   assert_tree_close(eager, ref)
 
 
+def _sgd_step(p, b, grad_fn):
+  g = grad_fn(p, b)
+  return jax.tree.map(lambda a, da: a - 0.1 * da, p, g)
+
+
+def _after_one_step(p, b, grad_fn):
+  return reference_token_mean(_sgd_step(p, b, grad_fn), b)
+
+
+@functools.cache
+def nested_reference():
+  """test_nested_calls's reference (the loss written with jax.grad), jitted, once for
+  both axis types."""
+  data, params = make_data(k=2), make_params()
+  return jax.jit(jax.value_and_grad(
+      lambda p, b: _after_one_step(p, b, jax.grad(reference_token_mean))))(params, data)
+
+
 @pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
 def test_nested_calls(axis_type):
   """A loss that itself accumulates (one inner SGD step, as in meta-learning) inside an
   outer fxaccum call: exact against the same written with jax.grad."""
   data, params = make_data(k=2), make_params()
-
-  def inner_step(p, b, grad_fn):
-    g = grad_fn(p, b)
-    return jax.tree.map(lambda a, da: a - 0.1 * da, p, g)
-
-  def outer(p, b, grad_fn):
-    return reference_token_mean(inner_step(p, b, grad_fn), b)
-
-  ref = jax.value_and_grad(outer)(params, data, jax.grad(reference_token_mean))
+  ref = nested_reference()
   inner = fxaccum.grad(weighted_loss, micro_batches=2)
   mesh = mesh_of((8,), ("data",), axis_type)
   with jax.set_mesh(mesh):
     args = (put(params, mesh, {}), put(data, mesh, {k: P("data") for k in data}))
-    got = jax.jit(fxaccum.value_and_grad(lambda p, b: outer(p, b, inner), micro_batches=1))(
-        *args)
+    got = jax.jit(fxaccum.value_and_grad(lambda p, b: _after_one_step(p, b, inner),
+                                         micro_batches=1))(*args)
   assert_tree_close(got, ref)
 
 
@@ -556,7 +618,7 @@ def test_param_shardings_keep_fsdp_gradients_sharded_under_jit_on_auto():
   data, params = make_data(k=4), make_params()
   specs = {"w1": P("data", None), "b1": P("data"), "w2": P("data", None)}
   mesh = mesh_of((8,), ("data",), AxisType.Auto)
-  ref = jax.value_and_grad(reference_token_mean)(params, data)
+  ref = jax.jit(jax.value_and_grad(reference_token_mean))(params, data)
   shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
   with jax.set_mesh(mesh):
     args = (put(params, mesh, specs), put(data, mesh, {k: P("data") for k in data}))
@@ -589,7 +651,7 @@ def test_nnx_sharding_metadata_is_read_under_jit_on_auto():
   def loss(state, x):
     return jnp.mean(nnx.merge(graphdef, state)(x) ** 2)
 
-  ref = jax.value_and_grad(loss)(jax.device_get(state), x)
+  ref = jax.jit(jax.value_and_grad(loss))(jax.device_get(state), x)
   with jax.set_mesh(mesh):
     _, grads = jax.jit(fxaccum.value_and_grad(loss, micro_batches=2))(
         state, jax.device_put(x, NamedSharding(mesh, P("data"))))
@@ -623,14 +685,14 @@ def test_device_view_aux_shapes_with_rng_argnums():
   mesh = mesh_of((8,), ("data",), AxisType.Explicit)
   x = np.arange(64.0, dtype=np.float32).reshape(16, 4) / 64
   w = np.ones(4, np.float32)
+  f = jax.jit(fxaccum.value_and_grad(loss, has_aux=True, micro_batches=2, rng_argnums=2))
   with jax.set_mesh(mesh):
     xs = jax.device_put(x, P("data"))
-    (value, aux), grads = jax.jit(fxaccum.value_and_grad(
-        loss, has_aux=True, micro_batches=2, rng_argnums=2))(w, xs, jax.random.key(0))
-    paths = fxaccum.diagnostics.paths(jax.jit(fxaccum.value_and_grad(
-        loss, has_aux=True, micro_batches=2, rng_argnums=2)), w, xs, jax.random.key(0))
+    (value, aux), grads = f(w, xs, jax.random.key(0))
+    paths = fxaccum.diagnostics.paths(f, w, xs, jax.random.key(0))
   assert paths[0].view == "device", paths
-  (ref, ref_aux), ref_grads = jax.value_and_grad(loss, has_aux=True)(w, x, jax.random.key(0))
+  (ref, ref_aux), ref_grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+      w, x, jax.random.key(0))
   assert_tree_close((value, aux, grads), (ref, ref_aux, ref_grads))
 
 
@@ -640,8 +702,9 @@ def test_device_view_with_a_collective_and_aux():
   is unbound (before: NameError, then a message pointing back to view='auto')."""
   batch, variables, synced, plain = sync_batchnorm_losses(seed=8, with_aux=True)
   k = 2
-  parts = [jax.value_and_grad(plain, has_aux=True)(
-      variables["params"], jax.tree.map(lambda a, i=i: a[i::k], batch)) for i in range(k)]
+  step = jax.jit(jax.value_and_grad(plain, has_aux=True))
+  parts = [step(variables["params"], jax.tree.map(lambda a, i=i: a[i::k], batch))
+           for i in range(k)]
   mesh = mesh_of((8,), ("data",), AxisType.Auto)
   with jax.set_mesh(mesh):
     sharded = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), batch)

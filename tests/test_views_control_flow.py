@@ -3,6 +3,8 @@
 ``lax.map`` with ``batch_size=`` and a ``while_loop`` under ``jax.vmap``; their mixing
 variants stay global, and exact."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -27,14 +29,19 @@ class LSTMRegressor(nn.Module):
     return nn.Dense(1)(h[:, -1])[..., 0]
 
 
+@functools.cache
 def lstm_setup(mixing=False):
   """A linen LSTM over each example's sequence, a mean squared error; mixing: the inputs
-  centred by the batch mean first."""
+  centred by the batch mean first. Built once (its init compiles a QR) and shared by
+  two tests: nothing writes to it (the batch's arrays are read-only)."""
   rng = np.random.default_rng(0)
   batch = {"x": rng.normal(size=(ROWS, 5, 3)).astype(np.float32),
            "y": rng.normal(size=(ROWS,)).astype(np.float32)}
+  for a in batch.values():
+    a.flags.writeable = False
   model = LSTMRegressor()
-  params = model.init(jax.random.key(0), batch["x"][:1])["params"]
+  # jitted: flax's init op by op compiles each op on its own (seconds, for an LSTM)
+  params = jax.jit(model.init)(jax.random.key(0), batch["x"][:1])["params"]
 
   def loss(params, batch):
     x = batch["x"] - batch["x"].mean(0) if mixing else batch["x"]

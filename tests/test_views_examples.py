@@ -3,6 +3,8 @@ coarse a rule): each must take the device view on an 8-device mesh and equal
 ``jax.value_and_grad`` over the global micro-batches (rows ``i::k``), value, gradients and,
 for ``fxaccum.Max``, the aux (issue 34, item 2)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,6 +129,16 @@ def _micro_batches(batch):
   return [jax.tree.map(lambda a, i=i: a[i::K], batch) for i in range(K)]
 
 
+@functools.cache
+def _reference(name, has_aux=False):
+  """jax.value_and_grad on each global micro-batch of LOSSES[name] (or the loss of the
+  maximum test), jitted once (the micro-batches share a shape; op-by-op dispatch would
+  compile every op on its own) and computed once for both mesh axis types."""
+  loss, params, batch = LOSSES[name]() if name in LOSSES else _maximum_setup()
+  step = jax.jit(jax.value_and_grad(loss, has_aux=has_aux))
+  return [step(params, b) for b in _micro_batches(batch)]
+
+
 # Every loss on an Auto mesh; on an Explicit one those that compile fast (optax's ctc_loss
 # does not trace on an Explicit mesh: its own concatenate's sharding).
 CASES = [(name, AxisType.Auto) for name in LOSSES] + [
@@ -139,22 +151,26 @@ def test_a_per_example_loss_takes_the_device_view_exactly(name, axis_type):
   loss, params, batch = LOSSES[name]()
   got, path = _run(loss, params, batch, axis_type)
   assert path.view == "device", path.reason
-  results = [jax.value_and_grad(loss)(params, b) for b in _micro_batches(batch)]
+  results = _reference(name)
   assert_tree_close(got, jax.tree.map(lambda *xs: sum(xs) / K, *results))
+
+
+def _maximum_setup():
+  def loss(p, b):
+    h = b["x"] @ p["w"]
+    return jnp.mean(h ** 2), fxaccum.Max(jnp.max(jnp.abs(h)) / 448.0)
+
+  return loss, _params(14), _data(14, x=(ROWS, DIM))
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto",
                                                                                "explicit"])
 def test_a_maximum_over_examples_divided_by_a_positive_constant_stays_one(axis_type):
   """fp8's scale: amax / 448 is the maximum over the examples of |x| / 448."""
-  def loss(p, b):
-    h = b["x"] @ p["w"]
-    return jnp.mean(h ** 2), fxaccum.Max(jnp.max(jnp.abs(h)) / 448.0)
-
-  params, batch = _params(14), _data(14, x=(ROWS, DIM))
+  loss, params, batch = _maximum_setup()
   ((value, amax), grads), path = _run(loss, params, batch, axis_type, has_aux=True)
   assert path.view == "device", path.reason
-  results = [jax.value_and_grad(loss, has_aux=True)(params, b) for b in _micro_batches(batch)]
+  results = _reference("maximum", has_aux=True)
   assert_tree_close((value, grads), jax.tree.map(
       lambda *xs: sum(xs) / K, *[(v, g) for (v, _), g in results]))
   np.testing.assert_allclose(amax, max(float(m.value) for (_, m), _ in results), rtol=1e-6)
