@@ -35,10 +35,11 @@ def main() -> None:
   parser.add_argument("--every-k", type=int, default=4, help="micro-batches per step")
   parser.add_argument("--micro-batch", type=int, default=16, help="sequences per call")
   parser.add_argument("--seq", type=int, default=32)
+  parser.add_argument("--layers", type=int, default=TinyLM.layers, help="the LM's blocks")
   parser.add_argument("--lr", type=float, default=3e-3)
   args = parser.parse_args()
 
-  model, mesh = TinyLM(), data_mesh()
+  model, mesh = TinyLM(layers=args.layers), data_mesh()
   # Per-device partial sums until the window's last call: one gradient reduction per step.
   tx = optax.chain(fxaccum.accumulate(args.every_k, data_axes="data"), optax.adam(args.lr))
   grad_fn = fxaccum.value_and_unreduced_grad(token_loss(model), micro_batches=1)

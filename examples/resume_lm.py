@@ -3,10 +3,11 @@
 Three runs of the same training (small LM, 8 simulated CPU devices, deferred sync,
 ``accumulate(4)``), each in its own process:
 
-1. uninterrupted: all calls, final params saved;
-2. killed: saves a checkpoint after call ``--kill-at`` (mid-window) and dies with SIGKILL;
+1. uninterrupted: all calls, no checkpoints, final params saved;
+2. killed: saves a checkpoint after every call up to call ``--kill-at`` (mid-window) and
+   dies with SIGKILL;
 3. resumed: restores the latest checkpoint with ``fxaccum.checkpoint.restore`` and runs
-   the remaining calls.
+   (and checkpoints) the remaining calls.
 
 It then compares runs 1 and 3 bit for bit.
 
@@ -30,8 +31,9 @@ EVERY_K, MICRO_BATCH, SEQ = 4, 16, 32
 
 def train(directory: Path, calls: int, kill_at: int | None, resume: bool,
           layers: int | None = None) -> None:
-  """One process's share of the training; checkpoints after every call. (JAX is imported
-  here: the parent process only starts the three runs and compares their files.)"""
+  """One process's share of the training. The killed and the resumed run checkpoint after
+  every call; the uninterrupted one, the reference, never does. (JAX is imported here: the
+  parent process only starts the three runs and compares their files.)"""
   import jax
   import jax.numpy as jnp
   import optax
@@ -68,7 +70,8 @@ def train(directory: Path, calls: int, kill_at: int | None, resume: bool,
       # Data of call i depends only on i, so a resumed run sees the same stream.
       batch = synthetic_batch(np.random.default_rng(call), MICRO_BATCH, SEQ, model.vocab)
       state = jax.block_until_ready(train_step(state, shard(batch, mesh)))
-      fxaccum.checkpoint.save(manager, call + 1, state)
+      if kill_at is not None or resume:
+        fxaccum.checkpoint.save(manager, call + 1, state)
       if call + 1 == kill_at:
         manager.wait_until_finished()
         print(f"killed after call {kill_at} (micro_step {int(state.micro_step)})", flush=True)

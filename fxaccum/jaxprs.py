@@ -5,17 +5,23 @@ fxaccum reads jaxprs (the view analysis, ZeRO-3 gathering); where a JAX release 
 how a primitive records its parameters, the difference is bridged here. Every walk that
 enters sub-jaxprs (the analysis's interpreter and its pairing of two traces,
 ``depends_on``, the ZeRO-3 evaluator) finds them with :func:`held_jaxprs`, so a new way
-of holding one is taught to all of them at once.
+of holding one is taught to all of them at once. A JAX "hijax" primitive (JAX 0.12 runs
+``jnp.searchsorted`` as one: an equation ``call_hi_primitive`` whose ``_prim`` parameter
+is the primitive object) holds the jaxpr of its expansion into ordinary primitives.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import jax
 from jax.extend import core as jcore
 
-__all__ = ["eqns_within", "held_jaxprs", "scan_counts", "subjaxprs"]
+__all__ = ["eqns_within", "expansion", "held_jaxprs", "scan_counts", "subjaxprs"]
+
+_EXPANSIONS: dict[int, Any] = {}  # id(primitive object) -> the jaxpr of its expansion
 
 
 def scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
@@ -28,11 +34,39 @@ def scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
   return len(consts), len(carry)
 
 
+def _is_hi_primitive(value: Any) -> bool:
+  """Whether ``value`` is a hijax primitive object (JAX's ``HiPrim``, read by its
+  interface: JAX exports no name for it)."""
+  return all(hasattr(value, name) for name in ("expand", "in_avals_flat", "in_tree",
+                                               "out_tree"))
+
+
+def expansion(prim: Any) -> jcore.ClosedJaxpr:
+  """The jaxpr of a hijax primitive's ``expand`` (what it computes, in ordinary
+  primitives) on its flat operands, as ``call_hi_primitive`` binds them. One per
+  primitive object, so that every walk (the pairing of two traces, then the analysis)
+  reads the same equations; it is dropped with the object."""
+  key = id(prim)
+  if key not in _EXPANSIONS:
+    def flat(*operands: Any) -> Any:
+      return prim.out_tree.flatten_up_to(prim.expand(*prim.in_tree.unflatten(operands)))
+    closed = jax.make_jaxpr(flat)(*prim.in_avals_flat)
+    weakref.finalize(prim, _EXPANSIONS.pop, key, None)  # first: no entry outlives prim
+    _EXPANSIONS[key] = closed
+  return _EXPANSIONS[key]
+
+
 def held_jaxprs(value: Any) -> list[Any]:
   """The jaxprs held by an equation parameter, as it holds them (a ``ClosedJaxpr`` with
-  its constants, or an open ``Jaxpr``), in order; ``[]`` for any other value."""
+  its constants, or an open ``Jaxpr``; a hijax primitive, its :func:`expansion`), in
+  order; ``[]`` for any other value."""
   if isinstance(value, (jcore.ClosedJaxpr, jcore.Jaxpr)):
     return [value]
+  if _is_hi_primitive(value):
+    try:
+      return [expansion(value)]
+    except Exception:  # noqa: BLE001 - not expandable: the analysis's call rule fails on it
+      return []  # too, which makes the equation unknown (the global view)
   if isinstance(value, (tuple, list)):
     return [j for v in value for j in held_jaxprs(v)]
   return []

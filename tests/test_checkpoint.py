@@ -206,6 +206,7 @@ def test_other_schema_version_is_refused(tmp_path, monkeypatch):
     fxaccum.checkpoint.restore(mgr, 1, linen_state())
 
 
+@pytest.mark.slow
 def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
   proc = subprocess.run([sys.executable, str(WORKER), "interrupted-save", str(tmp_path)],
                         capture_output=True, text=True, timeout=300)

@@ -131,7 +131,6 @@ def test_nnx_optimizer_matches_large_batch(name):
   assert_tree_close(nnx.as_pure(opt.opt_state)[1], nnx.as_pure(ref_opt.opt_state), rtol=1e-6)
 
 
-@pytest.mark.slow
 def test_same_params_as_optax_multisteps():
   x, y = data(K * STEPS)
   tx = optax.chain(fxaccum.accumulate(K), optax.adam(1e-2))
@@ -306,6 +305,26 @@ def test_donated_state_is_aliased_and_scan_over_calls():
   assert int(scanned.step) == int(looped.step) == 2
 
 
+def test_train_step_compiles_once_as_with_flax_train_state():
+  """The jitted train step traces once over a run, as it does with flax's own TrainState
+  (the reference): ``step`` keeps the type ``create`` gave it (a weakly typed 0)."""
+  x, y = data(K * 2)
+  traces = {}
+  for name, cls, tx in [("flax", train_state.TrainState, optax.adam(1e-2)),
+                        ("fxaccum", fxaccum.TrainState,
+                         optax.chain(fxaccum.accumulate(K), optax.adam(1e-2)))]:
+    state = cls.create(apply_fn=MODEL.apply, params=PARAMS, tx=tx)
+
+    @jax.jit
+    def train_step(state, x, y, name=name):
+      traces[name] = traces.get(name, 0) + 1  # runs only when jit traces
+      return state.apply_gradients(grads=jax.grad(mse)(state.params, x, y))
+
+    for call in range(K + 1):  # a window's boundary and the next window's first call
+      state = train_step(state, x[call], y[call])
+  assert traces == {"flax": 1, "fxaccum": 1}, traces
+  assert int(state.step) == 1
+
 def test_ungated_use_fails_loudly():
   tx = optax.chain(fxaccum.accumulate(K), optax.adam(1e-2))
   grads = jax.grad(mse)(PARAMS, *[a[0] for a in data(1)])
@@ -378,13 +397,14 @@ def test_calls_counts_every_call_for_per_call_randomness():
   (the negative control); ``state.calls`` gives every call its own key, skipped calls too."""
   tx = optax.chain(fxaccum.accumulate(4, skip_nonfinite=True), optax.sgd(0.1))
   state = fxaccum.TrainState.create(apply_fn=None, params=jnp.zeros(2), tx=tx)
+  apply = jax.jit(lambda state, grad: state.apply_gradients(grads=grad))  # op by op: 1 s
   key = jax.random.key(0)
   by_step, by_calls = set(), set()
   for call in range(8):
     by_step.add(tuple(np.asarray(jax.random.key_data(jax.random.fold_in(key, state.step)))))
     by_calls.add(tuple(np.asarray(jax.random.key_data(jax.random.fold_in(key, state.calls)))))
     grad = jnp.full(2, jnp.nan) if call == 5 else jnp.ones(2)
-    state = state.apply_gradients(grads=grad)
+    state = apply(state, grad)
   assert len(by_calls) == 8 and len(by_step) == 2
   assert int(state.calls) == 8 and int(state.step) == 1 and int(state.micro_step) == 3
   assert int(state.opt_state[0].skipped) == 1

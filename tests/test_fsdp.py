@@ -115,6 +115,7 @@ def test_scanned_layers_are_gathered_one_layer_at_a_time(k):
   assert_tree_close(got, jax.value_and_grad(loss)(params, data))
 
 
+@pytest.mark.slow
 def test_peak_memory_does_not_grow_with_the_whole_params():
   """From 8 to 16 scanned layers (128 wide), the compiled temp memory grows by less than
   half the params added with per-use gathering (their shards, the accumulator's and the

@@ -50,9 +50,12 @@ class LinenBlock(nn.Module):
     return nn.Dense(VOCAB)(x + nn.Dense(WIDTH)(h))
 
 
-def linen_block_params(model, tokens):
-  """model.init, jitted (op by op it took 3 s)."""
-  return jax.jit(functools.partial(model.init, deterministic=True))(jax.random.key(0), tokens)
+@functools.cache
+def linen_block_params():
+  """LinenBlock's params (they do not depend on the batch size), initialized once and
+  jitted: op by op, each test's model.init took 3 s."""
+  init = functools.partial(LinenBlock().init, deterministic=True)
+  return jax.jit(init)(jax.random.key(0), np.zeros((1, SEQ), np.int32))
 
 
 def per_example_dropout_loss(model, plain_aux):
@@ -87,7 +90,7 @@ def test_linen_model_with_per_example_dropout_keys_and_aux(plain_aux):
   weights, so that step takes the global view (an Auto mesh)."""
   model = LinenBlock()
   batch = lm_batch()
-  params = linen_block_params(model, batch["inputs"])
+  params = linen_block_params()
   # Per-example dropout keys live in the batch, so they are split exactly like the data.
   batch["dropout_key"] = jax.random.split(jax.random.key(1), batch["inputs"].shape[0])
 
@@ -172,7 +175,7 @@ def test_nnx_model_with_folded_dropout_keys_and_aux():
 def test_bf16_params_with_f32_accumulation():
   model = LinenBlock()
   batch = lm_batch(batch=32)
-  params32 = linen_block_params(model, batch["inputs"])
+  params32 = linen_block_params()
   params16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params32)
 
   def loss_fn(params, batch):

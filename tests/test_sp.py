@@ -214,7 +214,6 @@ def test_inside_a_shard_map_without_data_axes_is_an_error_naming_them():
                                  batch))
 
 
-@pytest.mark.slow
 def test_cross_step_deferred_sync_per_rank():
   """value_and_unreduced_grad inside the shard_map feeds accumulate(k, data_axes=(data,
   seq)): the gradient is reduced once per window, in the boundary branch; the SGD step

@@ -69,7 +69,9 @@ class TrainState(train_state.TrainState):
     if scale is not None:  # once per window, on the window's gradient
       kwargs["dynamic_scale"] = jax.tree.map(lambda new, old: jnp.where(boundary, new, old),
                                              updated(scale, finite), scale)
-    return self.replace(step=self.step + boundary.astype(jnp.int32), params=params,
+    # `step + 1` as flax writes it: a weakly typed 0 from `create` stays weak, so the
+    # train step's second call finds the first call's program (int32 would not).
+    return self.replace(step=jnp.where(boundary, self.step + 1, self.step), params=params,
                         opt_state=opt_state, **kwargs)
 
   @property

@@ -1,5 +1,5 @@
 """Rules of equations that hold sub-jaxprs: calls (``jit``, remat, custom derivative
-rules), ``shard_map``, ``scan``, ``while`` and ``cond``.
+rules, hijax primitives), ``shard_map``, ``scan``, ``while`` and ``cond``.
 
 Their bodies are analyzed by the interpreter, called back through ``ctx.inner``; loops
 iterate their carries' kinds to a fixpoint (:func:`fixpoint`), conditionals join their
@@ -34,9 +34,10 @@ from fxaccum.analysis.kinds import (
     plain,
 )
 from fxaccum.analysis.registry import Context, Operands, Out, Result, Rule, register_call
-from fxaccum.jaxprs import scan_counts
+from fxaccum.jaxprs import expansion, scan_counts
 
-__all__ = ["cond", "custom_linear_solve", "fixpoint", "scan", "shard_map", "while_loop"]
+__all__ = ["call_hi_primitive", "cond", "custom_linear_solve", "fixpoint", "scan", "shard_map",
+           "while_loop"]
 
 
 def fixpoint(body: Callable[[list[Kind]], list[Kind]], carry: list[Kind]) -> list[Kind]:
@@ -63,6 +64,13 @@ register_call("jit", "pjit", "remat2", "checkpoint")(_call("jaxpr"))
 # primal runs.
 register_call("closed_call", "core_call", "custom_jvp_call", "custom_vjp_call")(
     _call("call_jaxpr"))
+
+
+@register_call("call_hi_primitive")
+def call_hi_primitive(ctx: Context, kinds: Operands) -> Out:
+  """A JAX "hijax" primitive (JAX 0.12's ``jnp.searchsorted``): its results are those of
+  its expansion into ordinary primitives."""
+  return ctx.inner(expansion(ctx.eqn.params["_prim"]), list(kinds), ctx.sources)
 
 
 @register_call("custom_linear_solve")
