@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import jax
@@ -16,6 +17,14 @@ from jax.sharding import PartitionSpec as P
 import fxaccum
 
 BATCH, TOKENS, DIM, HIDDEN = 64, 8, 8, 16
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+  """A release's major and minor numbers: "0.12.0.1" -> (0, 12)."""
+  return tuple(int(part) for part in text.split(".")[:2])
+
+
+JAX_VERSION = version_tuple(metadata.version("jax"))
 
 
 def make_data(seed: int = 0, k: int = 4, batch: int = BATCH):

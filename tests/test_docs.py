@@ -12,10 +12,9 @@ import subprocess
 import sys
 import textwrap
 import tomllib
-from importlib import metadata
 
 import pytest
-from helpers import ROOT
+from helpers import JAX_VERSION, ROOT, version_tuple
 
 import fxaccum
 
@@ -153,13 +152,6 @@ def snippets():
 
 
 SNIPPETS = snippets()
-
-
-def version_tuple(text):
-  return tuple(int(part) for part in text.split(".")[:2])
-
-
-JAX_VERSION = version_tuple(metadata.version("jax"))
 
 
 def check_quickstart_instep(out):

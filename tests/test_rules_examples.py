@@ -5,11 +5,10 @@
 
 from __future__ import annotations
 
-from importlib import metadata
-
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import JAX_VERSION
 from jax import lax
 from test_rules import ROWS, Case, _analysis, no, ok
 from test_rules import test_rule as check_case
@@ -19,7 +18,6 @@ from fxaccum.analysis import Stat
 MATS = jax.ShapeDtypeStruct((ROWS, 3, 3), jnp.float32)  # one small matrix per example
 SQUARE = jax.ShapeDtypeStruct((ROWS, ROWS), jnp.float32)  # one matrix over the examples
 KEYS = jax.ShapeDtypeStruct((ROWS, 2), jnp.uint32)  # per-example PRNG keys (raw)
-JAX_VERSION = tuple(int(part) for part in metadata.version("jax").split(".")[:2])
 
 
 def _gamma(keys, a):
