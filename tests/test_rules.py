@@ -121,8 +121,13 @@ CASES = [
     ok("dynamic_slice", lambda x, w: lax.dynamic_slice_in_dim(x, 1, 2, axis=1)),
     no("dynamic_slice", lambda x, w: lax.dynamic_slice_in_dim(x, 1, 4, axis=0),
        reason="a dynamic slice along the batch axis"),
+    no("dynamic_slice", lambda x, w: lax.dynamic_slice_in_dim(  # at a statistic's offset
+        x, jnp.argmax(jnp.sum(x, 0)), 1, axis=1),
+       reason="a dynamic slice at a position computed from the batch"),
     ok("pad", lambda x, w: jnp.pad(x, ((0, 0), (1, 1)))),
     no("pad", lambda x, w: jnp.pad(x, ((1, 0), (0, 0))), reason="padding along the batch"),
+    no("pad", lambda x, w: jnp.pad(x, ((0, 0), (1, 1)), constant_values=jnp.sum(x)),
+       reason="padding with a value that is not a constant scaled like the rows"),
     ok("split", lambda x, w: jnp.split(x, 2, axis=1)),
     no("split", lambda x, w: jnp.split(x, 2, axis=0), reason="a split along the batch"),
     ok("top_k", lambda x, w: lax.top_k(x, 2)),

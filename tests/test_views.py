@@ -378,6 +378,25 @@ def test_dropout_from_one_shared_key_is_global_and_matches_the_sequential_keys()
   assert_tree_close(got, ref)
 
 
+@pytest.mark.parametrize("rows, reason", [
+    (lambda h: h / h.shape[0], "scales with the micro-batch size"),
+    (lambda h: jax.lax.rev(h, (0,)), "in another order"),
+], ids=["divided_by_the_rows", "reversed"])
+def test_a_concat_aux_of_rescaled_or_reordered_rows_says_which(rows, reason):
+  """Per-example values divided by the number of rows, or reversed, mix no examples but
+  differ per device as a Concat aux leaf: the global view, and the reason says which."""
+  def loss(w, x):
+    h = jnp.sum(x @ w, -1)
+    return jnp.mean(h ** 2), fxaccum.Concat(rows(h))
+
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, P("data")))
+    f = jax.jit(fxaccum.value_and_grad(loss, has_aux=True, micro_batches=2))
+    (path,) = diagnostics.paths(f, jnp.ones((4, 3)), x)
+  assert path.view == "global" and reason in path.reason, path
+
+
 def test_explicit_global_view_keeps_matmul_params_reduced_across_the_loop():
   """On an Explicit mesh the global view types matmul params `reduced`: their gradients
   are reduced once after the loop; an elementwise param (the bias) per micro-batch."""

@@ -111,6 +111,18 @@ def _lam(kind: analysis_lib.Kind) -> float | None:
   return None
 
 
+def _concat_problem(rows: analysis_lib.Rows) -> str:
+  """Why per-example rows that mix no examples still cannot be a Concat aux leaf."""
+  if rows.dim != 0:
+    return f"a Concat aux leaf holds the examples on axis {rows.dim}, not on axis 0"
+  if rows.exp is None:
+    return "a Concat aux leaf is scaled by a value that is no power of the micro-batch size"
+  if rows.exp != 0:
+    return ("a Concat aux leaf scales with the micro-batch size (e.g. per-example values "
+            "divided by the number of rows): per device, by the device's share of it")
+  return "a Concat aux leaf holds the examples in another order (e.g. reversed)"
+
+
 def classify(outputs: Sequence[analysis_lib.Kind], roles: Sequence[Role],
              summed: bool = False) -> tuple[str | None, str]:
   """Whether per-device results combine into the global ones.
@@ -139,7 +151,7 @@ def classify(outputs: Sequence[analysis_lib.Kind], roles: Sequence[Role],
       if not (isinstance(kind, analysis_lib.Rows) and kind.dim == 0 and kind.mixed is None
               and kind.exp == 0 and kind.order == 0):
         return _mixed_reason(kind, role) if not isinstance(kind, analysis_lib.Rows) or (
-            kind.mixed) else "a Concat aux leaf is not per-example rows on axis 0", ""
+            kind.mixed) else _concat_problem(kind), ""
       continue
     if role == "state":
       continue

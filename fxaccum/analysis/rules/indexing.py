@@ -30,6 +30,21 @@ __all__ = ["dynamic_update_slice", "gather", "scatter", "sort"]
 _TOP_K = ("top_k", "approx_top_k")  # the values, and their positions
 
 
+def _rows_problem(what: str, eqn: Any, kind: Rows, dims: set[int], rest: Operands,
+                  moves: bool) -> str:
+  """Why an op of :func:`_along_batch` on rows does not keep examples apart."""
+  if kind.dim in dims:
+    return f"{what} along the batch axis"
+  if eqn.primitive.name == "pad" and not (isinstance(rest[0], Const) and (
+      rest[0].value == 0 or rest[0].exp == kind.exp)):
+    return f"{what} with a value that is not a constant scaled like the rows"
+  if not all(isinstance(k, Const) for k in rest):
+    return f"{what} at a position computed from the batch"
+  if moves:
+    return f"{what} at positions that follow the number of rows"
+  return f"{what} along a dimension whose size follows the number of rows"
+
+
 def _along_batch(what: str, acted: Callable[[Any], set[int]]) -> Rule:
   """Ops on one operand (plus positions) that keep examples apart unless they act along
   the batch axis. ``acted(eqn)``: the dimensions the op moves or selects elements along."""
@@ -58,7 +73,8 @@ def _along_batch(what: str, acted: Callable[[Any], set[int]]) -> Rule:
           ok = False
       if scaled - {kind.dim}:
         ok = False
-      mixed = kind.mixed or (None if ok else with_place(eqn, f"{what} along the batch axis"))
+      mixed = kind.mixed or (None if ok else with_place(eqn, _rows_problem(
+          what, eqn, kind, dims, rest, moves)))
       if name in _TOP_K:  # the values, and their positions
         return [Rows(kind.dim, mixed, kind.exp, order),
                 Rows(kind.dim, mixed, index_exp(kind), order)]
