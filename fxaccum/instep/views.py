@@ -68,11 +68,12 @@ def run_call(config: Config, layout: meshes.Layout, kwargs: dict,
     path = paths.Path("global", "the batch is not split over data-parallel devices", ())
     value_aux, grads, after = _global(config, layout, path, frozenset(), call)
   else:
-    path, reducible, traced_aux, stacked = _decide(config, layout, call)
+    path, reducible, traced_aux, stacked, collectives = _decide(config, layout, call)
     value_aux = None
     if path.view == "device":
       try:
-        value_aux, grads, after = _device(config, layout, path, call, traced_aux, stacked)
+        value_aux, grads, after = _device(config, layout, path, call, traced_aux, stacked,
+                                          collectives)
       except Exception as err:  # noqa: BLE001 - any failure to trace per device
         if config.view == "device":
           raise ValueError(
@@ -155,12 +156,14 @@ class _Decision(NamedTuple):
   """The view for a call, the leaves the global view may keep ``reduced``, the aux the
   analysis traced (abstract, with its markers; None where it traced none), and whether its
   micro-step scans over stacked FSDP params (:func:`fxaccum.instep.gather.per_layer`; None where
-  it traced none)."""
+  it traced none); ``collectives``: the loss names the data axes in collectives (it runs
+  only per device)."""
 
   path: paths.Path
   reducible: frozenset[int] = frozenset()
   aux: Any = None
   stacked: bool | None = None
+  collectives: bool = False
 
 
 def _decide(config: Config, layout: meshes.Layout, call: Call) -> _Decision:
@@ -202,7 +205,7 @@ def _decide(config: Config, layout: meshes.Layout, call: Call) -> _Decision:
         break
   except NameError as err:  # a collective over an axis that only the device view binds
     if config.view == "device":
-      return _Decision(paths.Path("device", "view='device'", axes))
+      return _Decision(paths.Path("device", "view='device'", axes), collectives=True)
     raise ValueError(
         f"The loss does not run on the global micro-batch ({_first_line(err)}). A loss "
         "that names the data axes in collectives (e.g. flax BatchNorm(axis_name=...), "
@@ -354,10 +357,11 @@ def _gathered(leaf: Any, data_axes: tuple[str, ...], batch: bool = False) -> Any
 
 
 def _device(config: Config, layout: meshes.Layout, path: paths.Path, call: Call,
-            traced_aux: Any = None, stacked: bool | None = None):
+            traced_aux: Any = None, stacked: bool | None = None, collectives: bool = False):
   """Per-device view: a shard_map manual over the data axes, one reduction after the loop.
   ``traced_aux`` and ``stacked``: the aux as the view analysis traced it (its markers),
-  and whether its micro-step scans over stacked FSDP params, if it traced one."""
+  and whether its micro-step scans over stacked FSDP params, if it traced one;
+  ``collectives``: the loss names the data axes in collectives."""
   axes = layout.data_axes
   batch_spec = P(axes)
   rest_specs = tuple(_specs_like(a, batch_spec if i in config.batch_argnums else P())
@@ -414,23 +418,24 @@ def _device(config: Config, layout: meshes.Layout, path: paths.Path, call: Call,
             diff_leaves, rest, arrays, state)
 
   with jax.named_scope(scope := paths.record(path)):
-    value_aux, grad_leaves, after = _typed_or_not(config, region)
+    value_aux, grad_leaves, after = _typed_or_not(region, untyped_retry=not collectives)
   if chosen:
     paths.amend(scope, fsdp=f"{chosen[0].strategy}: {chosen[0].reason}")
   return value_aux, _package(config, call, grad_leaves), after
 
 
-def _typed_or_not(config: Config, region: Callable[[bool], Any]) -> Any:
+def _typed_or_not(region: Callable[[bool], Any], *, untyped_retry: bool) -> Any:
   """``region(check_vma=True)``; where that fails only because a loop's carry starts
   invariant and becomes varying over the data axes (flax ``nn.RNN`` starts its carry from
-  zeros: each device's carry then follows its rows), ``region(check_vma=False)``. Only
-  for ``view="auto"``: the analysis found no collective in the loss there, so the types
-  that ``check_vma`` checks change no value (the region's own reductions are after the
-  loop); a loss with collectives (``view="device"``) keeps the error."""
+  zeros: each device's carry then follows its rows), ``region(check_vma=False)``, if
+  ``untyped_retry``: the loss names the data axes in no collective (it traced on the
+  global micro-batch), so the types that ``check_vma`` checks change no value (the
+  region's own reductions are after the loop). A loss with such collectives keeps the
+  error."""
   try:
     return region(True)
   except TypeError as err:
-    if config.view != "auto" or "manual axis types do not match" not in str(err):
+    if not untyped_retry or "manual axis types do not match" not in str(err):
       raise
   return region(False)
 
