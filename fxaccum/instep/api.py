@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from fxaccum import meshes, reductions, split
 from fxaccum.instep import fsdp as fsdp_lib
 from fxaccum.instep import paths
-from fxaccum.instep.call import Config, is_array
+from fxaccum.instep.call import Config, Threaded, is_array
 from fxaccum.instep.views import run_call
 from fxaccum.split import MicroBatchSize
 
@@ -432,7 +432,7 @@ def _call(config: Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> 
       nnx_lib.Modules.split(args, config.diff_argnums, config.filters) if nnx_lib
       else (list(args), (), (), None))
   # Threaded: the NNX graph nodes' state, and the arguments at state_argnums.
-  state = (state, tuple(args[i] for i in config.state_argnums))
+  state = Threaded(state, tuple(args[i] for i in config.state_argnums))
   diff = [args[i] for i in config.diff_argnums]
   batch = [args[i] for i in config.batch_argnums]
   other = [a for i, a in enumerate(args)
@@ -476,7 +476,12 @@ def _call(config: Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> 
       jitted = jax.jit(run)
     out, (state, new_sown) = jitted((args, state), kw_arrays)
   if modules is not None:  # as nnx.value_and_grad does: the modules' state, in place
-    modules.update(module_args, state[0], sown, new_sown)
+    modules.update(module_args, state.modules, sown, new_sown)
+    if state.params:  # the values the loss wrote into differentiated variables
+      written = [leaf if w is None else w for leaf, w in zip(
+          jax.tree.leaves(diff), state.params, strict=True)]
+      modules.write(module_args, config.diff_argnums,
+                    jax.tree.unflatten(jax.tree.structure(diff), written))
   return out
 
 

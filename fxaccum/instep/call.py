@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ from fxaccum.statistics import Statistics
 if TYPE_CHECKING:
   from fxaccum.integrations import nnx_modules
 
-__all__ = ["Call", "Config", "LossKind", "explicit", "is_array", "is_marker",
+__all__ = ["Call", "Config", "LossKind", "Threaded", "explicit", "is_array", "is_marker",
            "micro_batch_avals", "micro_loss"]
 
 
@@ -49,20 +49,39 @@ class Config:
   skip_nonfinite: bool
 
 
+class Threaded(NamedTuple):
+  """What the micro-batches thread through in order: micro-batch ``i`` starts from what
+  micro-batch ``i - 1`` left.
+
+  Attributes:
+    modules: the NNX graph nodes' state other than the differentiated variables (``()``
+      without graph nodes).
+    arguments: the values of the arguments at ``state_argnums``.
+    params: per differentiated leaf, the value the loss wrote into it (an NNX layer that
+      writes its own ``nnx.Param``, e.g. ``nnx.WeightNorm``), None for a leaf it did not
+      write; ``()`` where it wrote none. The next micro-batch reads (and is differentiated
+      at) the written value. A loss's input never holds written values: the loop passes
+      them in as the differentiated leaves.
+  """
+
+  modules: Any = ()
+  arguments: tuple[Any, ...] = ()
+  params: tuple[Any, ...] = ()
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
   """One traced call: the differentiated leaves and everything else ``fun`` receives.
 
-  ``state`` is what is threaded through the micro-batches: ``(the NNX graph nodes' state
-  (() without them), the values of the arguments at state_argnums)``. Each micro-batch's
-  call takes the state the previous one left.
+  ``state`` is what is threaded through the micro-batches (:class:`Threaded`, with no
+  written params): each micro-batch's call takes the state the previous one left.
   """
 
   diff_leaves: list[Any]
   diff_def: Any
   rest: tuple[Any, ...]  # the positional args, None at the differentiated ones
   kwargs: dict[str, Any]
-  state: Any = ((), ())
+  state: Threaded = Threaded()
   modules: nnx_modules.Modules | None = None
   # Appended by each trace of the loss: what it returned (see LossKind).
   kinds: list[LossKind] = dataclasses.field(default_factory=list, compare=False)
@@ -71,8 +90,9 @@ class Call:
     return {i: self.rest[i] for i in config.batch_argnums}
 
   def loss(self, config: Config, diff_leaves, micro, index, state) -> tuple[Any, ...]:
-    """``fun`` on micro-batch ``micro`` (number ``index``) with module state ``state``, as
-    ``(total, weight, aux, state, sown)``."""
+    """``fun`` on micro-batch ``micro`` (number ``index``) with the threaded ``state``, as
+    ``(total, weight, aux, state, sown)``; the state returned holds the values the loss
+    wrote into differentiated leaves (:attr:`Threaded.params`)."""
     call_args = list(self.rest)
     for i in config.batch_argnums:
       call_args[i] = micro[i]
@@ -81,17 +101,18 @@ class Call:
     values = jax.tree.unflatten(self.diff_def, diff_leaves)
     for i, value in zip(config.diff_argnums, values, strict=True):
       call_args[i] = value
-    module_state, threaded = state
-    for i, value in zip(config.state_argnums, threaded, strict=True):
+    for i, value in zip(config.state_argnums, state.arguments, strict=True):
       call_args[i] = value
     after = None
     if self.modules is not None:
-      call_args, after = self.modules.merged(call_args, module_state)
+      call_args, after = self.modules.merged(call_args, state.modules, config.diff_argnums)
     with jax.named_scope("fxaccum_compute"), meshes.linen_rules_without_manual_axes():
       out = config.fun(*call_args, **self.kwargs)
-    module_state, sown = after() if after is not None else ((), ())
+    module_state, sown, read, written = after() if after is not None else (
+        (), (), diff_leaves, diff_leaves)
     loss, aux = _split_output(out, config.has_aux)
-    state = (module_state, _threaded(aux, threaded, config))
+    state = Threaded(module_state, _threaded(aux, state.arguments, config),
+                     _written(read, written))
     total, weight, kind = _total_and_weight(loss)
     if kind == "sum" and not config.reduce:
       raise TypeError(
@@ -123,6 +144,13 @@ def _threaded(aux: Any, threaded: tuple[Any, ...], config: Config) -> tuple[Any,
           f"argument ({_summary(want)}): the next micro-batch receives it in the "
           "argument's place, so it must have the argument's tree, shapes and dtypes.")
   return tuple(s.value for s in states)
+
+
+def _written(read: list[Any], after: list[Any]) -> tuple[Any, ...]:
+  """Per differentiated leaf, its value after the loss where the loss wrote it (another
+  value than the one it read), else None; ``()`` where it wrote none."""
+  written = tuple(None if new is old else new for old, new in zip(read, after, strict=True))
+  return written if any(w is not None for w in written) else ()
 
 
 def _summary(tree: Any) -> str:

@@ -64,6 +64,10 @@ def loop(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],
   ``jax.value_and_grad`` runs it) raises :class:`_StatisticsPerDevice` for a loss that asks
   for :class:`fxaccum.Statistics`.
 
+  A differentiated leaf the loss writes (:attr:`~fxaccum.instep.call.Threaded.params`)
+  is carried through the loop like module state: each micro-batch reads, and is
+  differentiated at, the value the previous one wrote.
+
   Returns ``((value, aux, statistics), grads, local_weight, (state, sown))``: ``grads`` as
   ``grads.finalize`` gives them, ``statistics`` None or the skipped count and the summed
   :data:`NOISE_TERMS` (None where the step has no noise scale), ``local_weight`` this
@@ -79,7 +83,8 @@ def loop(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],
   if direct and sums.statistics:
     raise _StatisticsPerDevice()
   _warn_batch_shaped(config, call, whole, gather_dims, sums.markers)
-  init = (sums.accumulator.init(), call.state)
+  init = (sums.accumulator.init(), call.state._replace(
+      params=_written_params(shapes[0][1][2].params, whole, gather_dims)))
   body = _loop_body(config, jcore.jaxpr_as_fun(closed), jax.tree.structure(shapes), sums,
                     init, whole, gather_dims, axes, zero3=traced is not None)
   if config.micro_batches == 1:  # one micro-batch: no loop, the step as jax.value_and_grad
@@ -209,9 +214,12 @@ def _loop_body(config: Config, traced_step: Callable[..., Any], out_def: Any, su
 
   def body(carry, index):
     sums_carry, old_state = carry
+    # Written params enter as the differentiated leaves they replace.
+    read = [x if w is None else w for x, w in zip(
+        whole, old_state.params or [None] * len(whole), strict=True)]
     # A jaxpr output that is a literal (a Python number in the aux) comes back as one.
-    outs = [x if isinstance(x, jax.Array) else jnp.asarray(x)
-            for x in traced_step(*jax.tree.leaves((whole, index, old_state)))]
+    outs = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in traced_step(
+        *jax.tree.leaves((read, index, old_state._replace(params=()))))]
     (loss_total, (loss_weight, aux_values, state, sown)), grad_values = jax.tree.unflatten(
         out_def, outs)
     # This device's (or, global view, the micro-batch's) gradient, before any reduction.
@@ -235,6 +243,22 @@ def _loop_body(config: Config, traced_step: Callable[..., Any], out_def: Any, su
     return _retyped(carry, like=init, axes=axes), sown
 
   return body
+
+
+def _written_params(written: tuple[Any, ...], whole: list[Any],
+                    gather_dims: Sequence[meshes.DataDims]) -> tuple[Any, ...]:
+  """The loop's initial :attr:`~fxaccum.instep.call.Threaded.params`: the leaves the
+  traced micro-step wrote (``written``: their new values' avals, None where it wrote
+  none), as the loss reads them first."""
+  if not written:
+    return ()
+  if any(w is not None and dims for w, dims in zip(written, gather_dims, strict=True)):
+    raise ValueError(
+        "The loss writes a differentiated variable (e.g. nnx.WeightNorm or "
+        "nnx.SpectralNorm writing its kernel) that is sharded over a data axis (FSDP) and "
+        "gathered per device: fxaccum cannot thread a written shard. Replicate that "
+        "param over the data axes, or call fxaccum outside your shard_map.")
+  return tuple(None if w is None else x for x, w in zip(whole, written, strict=True))
 
 
 # Per small batch i (a micro-batch, per device in the per-device view) of loss weight w_i,

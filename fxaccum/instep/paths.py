@@ -94,7 +94,7 @@ def recorded(hlo_text: str) -> list[Path]:
 
 
 Role = Literal["total", "weight", "aux", "aux_total", "aux_weight", "aux_sum", "aux_concat",
-               "aux_max", "aux_min", "state", "state_update", "sown", "grad"]
+               "aux_max", "aux_min", "state", "state_update", "param_update", "sown", "grad"]
 
 
 def _lam(kind: analysis_lib.Kind) -> float | None:
@@ -145,6 +145,10 @@ def classify(outputs: Sequence[analysis_lib.Kind], roles: Sequence[Role],
     if role == "state_update":
       return ("the loss updates module state (e.g. BatchNorm statistics, RNG counts): per "
               "device, every device would update its own copy"), ""
+    if role == "param_update":
+      return ("the loss writes a differentiated variable (e.g. nnx.WeightNorm, "
+              "nnx.SpectralNorm write their normalized kernel): each micro-batch reads it "
+              "as the previous one wrote it, on the global micro-batch"), ""
     if role == "sown":
       return "the loss sows values into the module (Module.sow)", ""
     if role == "aux_concat":

@@ -181,6 +181,12 @@ def _decide(config: Config, layout: meshes.Layout, call: Call) -> _Decision:
       blockers = [*analysis.blockers,
                   *([layout.device_blocker] if layout.device_blocker else [])]
       if config.view == "device":
+        if "param_update" in roles:
+          raise ValueError(
+              "view='device' cannot run this loss per device: it writes a differentiated "
+              "variable (e.g. nnx.WeightNorm or nnx.SpectralNorm writing its normalized "
+              "kernel into its nnx.Param), which each micro-batch must read as the "
+              "previous one left it. Use view='auto' (the default) or view='global'.")
         if config.state_argnums:
           raise ValueError(
               "view='device' with state_argnums: each device would thread its own state "
@@ -326,9 +332,11 @@ def _roles(closed: Any, aux: Any, state: Any, sown: Any, n_diff: int,
     roles.extend([role] * len(jax.tree.leaves(marker)))
   # Threaded module state must pass through unchanged for the per-device view.
   state_in = closed.jaxpr.invars[n_diff + n_micro:]
-  state_out = closed.jaxpr.outvars[len(roles):len(roles) + len(jax.tree.leaves(state))]
+  carried = len(jax.tree.leaves((state.modules, state.arguments)))
+  state_out = closed.jaxpr.outvars[len(roles):len(roles) + carried]
   roles.extend("state" if v_out is v_in else "state_update"
                for v_in, v_out in zip(state_in, state_out, strict=True))
+  roles.extend(["param_update"] * len(jax.tree.leaves(state.params)))
   roles.extend(["sown"] * len(jax.tree.leaves(sown)))
   roles.extend(["grad"] * n_diff)
   return roles

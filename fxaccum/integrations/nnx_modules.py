@@ -79,9 +79,13 @@ class Modules:
       args[i] = (diff[j] if j in diff else nnx.State({})) if wrt[j] is not None else None
     return args, state, sown, Modules(positions, graphdef, wrt)
 
-  def merged(self, call_args: list[Any], state: Any) -> tuple[list[Any], Callable]:
+  def merged(self, call_args: list[Any], state: Any, diff_argnums: Sequence[int]
+             ) -> tuple[list[Any], Callable]:
     """``call_args`` with the graph nodes rebuilt (holding no sown values yet), and a
-    function that returns their ``(state, sown)`` after the call."""
+    function that returns their ``(state, sown, read, written)`` after the call: ``read``
+    and ``written`` are the leaves of the differentiated arguments (in ``diff_argnums``
+    order) as the loss read them and as it left them: a layer that writes its own ``nnx.Param``
+    (``nnx.WeightNorm``) leaves another value there."""
     call_args = list(call_args)
     # Fresh Variables, created where the loss runs: NNX lets a Variable change only in the
     # trace it was created in (the carried state comes from the loop's trace).
@@ -91,19 +95,31 @@ class Modules:
     nodes = nnx.merge(self.graphdef, diff, state)
     for j, i in enumerate(self.positions):
       call_args[i] = nodes[j]
+    read = self._differentiated_leaves(nodes, call_args, diff_argnums)
 
-    def after() -> tuple[Any, Any]:
-      _, _, sown, new_state = _split_module(nodes, _differentiated(self.wrt),
-                                            nnx.Intermediate, ...)
-      if jax.tree.structure(new_state) != jax.tree.structure(state):  # type: ignore[operator]
-        raise ValueError(
-            "The loss created or removed module state other than sown values while it "
-            f"ran ({jax.tree.structure(state)} -> {jax.tree.structure(new_state)}); "
-            "fxaccum threads a fixed set of variables through the micro-batches. Create "
-            "the variables before calling it (e.g. run the model once).")
-      return new_state, sown
+    def after() -> tuple[Any, Any, list[Any], list[Any]]:
+      _, diff_after, sown, new_state = _split_module(nodes, _differentiated(self.wrt),
+                                                     nnx.Intermediate, ...)
+      for before, now in ((diff, diff_after), (state, new_state)):
+        if _paths(now) != _paths(before):
+          raise ValueError(
+              "The loss created or removed module state other than sown values while it "
+              f"ran ({jax.tree.structure(before)} -> {jax.tree.structure(now)}); "
+              "fxaccum threads a fixed set of variables through the micro-batches. Create "
+              "the variables before calling it (e.g. run the model once).")
+      return (new_state, sown, read,
+              self._differentiated_leaves(nodes, call_args, diff_argnums))
 
     return call_args, after
+
+  def _differentiated_leaves(self, nodes: tuple[Any, ...], call_args: list[Any],
+                             diff_argnums: Sequence[int]) -> list[Any]:
+    """The leaves of the differentiated arguments as the nodes hold them now (a graph
+    node's differentiated state; any other argument as it is in ``call_args``)."""
+    _, diff, _ = _split_module(nodes, _differentiated(self.wrt), ...)
+    by_position = {i: diff[j] if j in diff else nnx.State({})
+                   for j, i in enumerate(self.positions)}
+    return jax.tree.leaves([by_position.get(i, call_args[i]) for i in diff_argnums])
 
   def update(self, args: Sequence[Any], state: Any, sown_before: Any, sown: Any) -> None:
     """Writes the final state into the graph nodes, with each micro-batch's sown values
@@ -112,6 +128,20 @@ class Modules:
     nnx.update(nodes, state)
     if jax.tree.leaves(sown):
       nnx.update(nodes, _appended(sown_before, sown))
+
+
+  def write(self, args: Sequence[Any], diff_argnums: Sequence[int],
+            values: Sequence[Any]) -> None:
+    """Writes ``values`` (the differentiated arguments, in ``diff_argnums`` order, as the
+    loss left them) into the graph nodes among them."""
+    for i, value in zip(diff_argnums, values, strict=True):
+      if i in self.positions:
+        nnx.update(args[i], value)
+
+
+def _paths(state: Any) -> list[tuple[Any, ...]]:
+  """The variables' paths in an ``nnx.State`` (however its sub-states nest)."""
+  return [path for path, _ in nnx.to_flat_state(state)]
 
 
 def _differentiated(wrt: tuple[Any, ...]) -> Callable[[Any, Any], bool]:
