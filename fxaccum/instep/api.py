@@ -446,6 +446,9 @@ def _call(config: Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> 
                     layout.data_devices)
   rows = split.leading_size(batch, config.micro_batches, layout.data_devices)
   _check_kwargs(kwargs, rows, config)
+  if modules is not None:
+    nnx_lib.check_decode_caches(module_args, rows // config.micro_batches,
+                                config.micro_batches)
   if not config.reduce and any(layout.param_dims):
     raise ValueError(
         "fxaccum.value_and_unreduced_grad keeps one full gradient per device, so it needs "

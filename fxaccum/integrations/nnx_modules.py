@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-__all__ = ["Modules", "argnums_and_filters", "is_graph_node"]
+__all__ = ["Modules", "argnums_and_filters", "check_decode_caches", "is_graph_node"]
 
 # nnx.split's return is typed as a variadic tuple, which cannot be unpacked into names.
 _split_module: Callable[..., Any] = nnx.split
@@ -137,6 +137,24 @@ class Modules:
     for i, value in zip(diff_argnums, values, strict=True):
       if i in self.positions:
         nnx.update(args[i], value)
+
+
+def check_decode_caches(args: Sequence[Any], micro_rows: int, micro_batches: int) -> None:
+  """An ``nnx.MultiHeadAttention`` decode cache holds a fixed number of rows; each call of
+  the loss decodes one micro-batch, so the cache must hold a micro-batch's rows."""
+  for arg in args:
+    if not is_graph_node(arg):
+      continue
+    for path, node in nnx.iter_graph(arg):
+      cache = getattr(node, "cached_key", None) if isinstance(
+          node, nnx.MultiHeadAttention) else None
+      if cache is not None and cache.shape[0] != micro_rows:
+        where = "/".join(map(str, path)) or "the argument itself"
+        raise ValueError(
+            f"nnx.MultiHeadAttention at {where} holds a decode cache for {cache.shape[0]} "
+            f"rows, but with micro_batches={micro_batches} each call of the loss decodes "
+            f"a micro-batch of {micro_rows} rows. Call its init_cache with the "
+            f"micro-batch's shape ({micro_rows} rows), or use micro_batches=1.")
 
 
 def _paths(state: Any) -> list[tuple[Any, ...]]:
