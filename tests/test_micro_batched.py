@@ -177,7 +177,8 @@ def test_dropout_keys_are_folded_per_micro_batch_and_match_in_the_backward():
   mb = fxaccum.micro_batched(tower, micro_batches=k, rng_argnums=2)
   value, grads = jax.jit(jax.value_and_grad(functools.partial(loss, mb)))(
       params["img"], batch["img"], key)
-  contract = lambda p, x, key: per_micro_batch(lambda x, kk: tower(p, x, kk), k, x, key=key)
+  def contract(p, x, key):
+    return per_micro_batch(lambda x, kk: tower(p, x, kk), k, x, key=key)
   ref_value, ref_grads = jax.jit(jax.value_and_grad(functools.partial(loss, contract)))(
       params["img"], batch["img"], key)
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
@@ -202,7 +203,8 @@ def test_ghost_batch_norm_is_per_micro_batch_and_reported():
     z = normalize(tower(p, x))
     return jax.nn.logsumexp(4 * similarities(z, z), axis=1).mean()
 
-  contract = lambda p, x: per_micro_batch(functools.partial(batch_norm_tower, p), k, x)
+  def contract(p, x):
+    return per_micro_batch(functools.partial(batch_norm_tower, p), k, x)
   ref_value, ref_grads = jax.jit(jax.value_and_grad(functools.partial(loss, contract)))(
       params["img"], batch["img"])
   mb = fxaccum.micro_batched(batch_norm_tower, micro_batches=k)
@@ -285,3 +287,61 @@ def test_module_state_that_changes_is_refused():
   tower = fxaccum.micro_batched(lambda v, x, **kw: x, micro_batches=2)
   with pytest.raises(TypeError, match="mutable"):
     tower({}, jnp.ones((4, 2)), mutable=["batch_stats"])
+
+
+def contrastive(z):
+  z = normalize(z)
+  return jax.nn.logsumexp(4 * similarities(z, z), axis=1).mean()
+
+
+def test_linen_apply_function():
+  from flax import linen as nn
+
+  class Tower(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(EMBED)(jnp.tanh(nn.Dense(WIDTH)(x)))
+
+  model, x = Tower(), make_problem()[1]["img"]
+  variables = model.init(jax.random.key(0), x)
+  def loss(apply, v):
+    return contrastive(apply(v, x))
+  grads = jax.jit(jax.grad(functools.partial(
+      loss, fxaccum.micro_batched(model.apply, micro_batches=4, batch_argnums=1))))(variables)
+  assert_tree_close(grads, jax.jit(jax.grad(functools.partial(loss, model.apply)))(variables))
+
+
+def test_nnx_module_params_and_refused_state():
+  from flax import nnx
+
+  model, x = nnx.Sequential(nnx.Linear(D_IMG, WIDTH, rngs=nnx.Rngs(0)), jnp.tanh,
+                            nnx.Linear(WIDTH, EMBED, rngs=nnx.Rngs(1))), make_problem()[1]["img"]
+  tower = fxaccum.micro_batched(lambda m, x: m(x), micro_batches=4)
+  grads = nnx.grad(lambda m: contrastive(tower(m, x)))(model)
+  assert_tree_close(nnx.to_pure_dict(grads), nnx.to_pure_dict(
+      nnx.grad(lambda m: contrastive(m(x)))(model)))
+  norm = nnx.Sequential(nnx.Linear(D_IMG, WIDTH, rngs=nnx.Rngs(0)),
+                        nnx.BatchNorm(WIDTH, rngs=nnx.Rngs(1)))
+  with pytest.raises(TypeError, match="BatchStat"):
+    tower(norm, x)
+
+
+def test_extra_outputs_any_pytree_of_per_example_leaves():
+  params, batch = make_problem()
+
+  def with_aux(p, x):
+    z = residual_tower(p, x)
+    return {"z": z, "norm": jnp.linalg.norm(z, axis=-1), "argmax": jnp.argmax(z, axis=-1)}
+
+  def loss(tower, p):
+    out = tower(p, batch["img"])
+    return contrastive(out["z"]) + jnp.mean(out["norm"] ** 2), out["argmax"]
+
+  mb = fxaccum.micro_batched(with_aux, micro_batches=4)
+  (value, argmax), grads = jax.jit(jax.value_and_grad(functools.partial(loss, mb),
+                                                      has_aux=True))(params["img"])
+  (ref, ref_argmax), ref_grads = jax.jit(jax.value_and_grad(
+      functools.partial(loss, with_aux), has_aux=True))(params["img"])
+  np.testing.assert_allclose(value, ref, rtol=1e-5)
+  np.testing.assert_array_equal(argmax, ref_argmax)
+  assert_tree_close(grads, ref_grads)

@@ -147,12 +147,12 @@ def _call(spec: _Spec, args: tuple, kwargs: dict) -> Any:
   parts = _parts(spec, args, kwargs)
   layout = meshes.layout_of(parts.diff, parts.batch, [*parts.keys, *parts.fixed], None)
   split.leading_size(parts.batch, spec.k, layout.data_devices)
-  return _custom(spec, parts)(parts.diff, parts.batch, parts.keys, parts.fixed)
+  return _custom(spec, parts, layout.data_axes)(parts.diff, parts.batch, parts.keys, parts.fixed)
 
 
-def _parts(spec: _Spec, args: tuple, kwargs: dict) -> _Parts:
+def _parts(spec: _Spec, given: tuple, kwargs: dict) -> _Parts:
   """Splits the arguments into leaves by role; NNX modules into their ``nnx.Param``s."""
-  args = list(args)
+  args = list(given)
   graphdefs = {i: _nnx_params(spec, i, a) for i, a in enumerate(args) if _is_graph_node(a)}
   for i, (_, params) in graphdefs.items():
     if i in spec.batch_argnums or i in spec.rng_argnums:
@@ -188,7 +188,7 @@ def _parts(spec: _Spec, args: tuple, kwargs: dict) -> _Parts:
                 fixed=[x for x, f in zip(leaves, is_fixed, strict=True) if f], build=build)
 
 
-def _custom(spec: _Spec, parts: _Parts) -> Callable[..., Any]:
+def _custom(spec: _Spec, parts: _Parts, data_axes: tuple[str, ...]) -> Callable[..., Any]:
   """The ``jax.custom_vjp`` function of one call, over ``(diff, batch, keys, fixed)``."""
   perturbed: dict[str, list[bool]] = {}
 
@@ -198,7 +198,7 @@ def _custom(spec: _Spec, parts: _Parts) -> Callable[..., Any]:
 
   @jax.custom_vjp
   def apply(diff, batch, keys, fixed):
-    return _forward(spec, run, diff, batch, keys, fixed)
+    return _forward(spec, run, data_axes, diff, batch, keys, fixed)
 
   def fwd(diff, batch, keys, fixed):
     perturbed["batch"] = [b.perturbed for b in batch]
@@ -212,8 +212,8 @@ def _custom(spec: _Spec, parts: _Parts) -> Callable[..., Any]:
   return apply
 
 
-def _forward(spec: _Spec, run: Callable[..., Any], diff: list[Any], batch: list[Any],
-             keys: list[Any], fixed: list[Any]) -> Any:
+def _forward(spec: _Spec, run: Callable[..., Any], data_axes: tuple[str, ...],
+             diff: list[Any], batch: list[Any], keys: list[Any], fixed: list[Any]) -> Any:
   """``fun`` on each micro-batch in a ``lax.scan``; its outputs back in the rows' order."""
   k = spec.k
   rows = jnp.shape(batch[0])[0] // k
@@ -229,8 +229,11 @@ def _forward(spec: _Spec, run: Callable[..., Any], diff: list[Any], batch: list[
             f"micro-batch's {rows} rows on axis 0 (they are put back in the batch's order).")
     return carry, out
 
-  with jax.named_scope(paths.record(paths.Path(
-      "global", f"{spec.name} forward, {k} micro-batches in a scan; outputs kept", ()))):
+  placed = (f"; the compiler places any communication over {data_axes} (none for a "
+            "per-example fun with replicated params)" if data_axes else "")
+  path = paths.Path("global", f"{spec.name} forward: each global micro-batch in turn ({k}, "
+                    f"in a scan), only the outputs kept{placed}", ())
+  with jax.named_scope(paths.record(path)):
     _, outs = lax.scan(body, None, jnp.arange(k))
   return jax.tree.map(split.unstacked, outs)
 
@@ -309,7 +312,7 @@ def _is_graph_node(x: Any) -> bool:
 def _nnx_params(spec: _Spec, i: int, node: Any) -> tuple[Any, Any]:
   """``(graphdef, params)`` of an NNX module; refuses state besides its ``nnx.Param``s."""
   from flax import nnx
-  graphdef, params, rest = nnx.split(node, nnx.Param, ...)
+  graphdef, params, *rest = nnx.split(node, nnx.Param, ...)
   if jax.tree.leaves(rest):
     kinds = sorted({type(v).__name__ for v in jax.tree.leaves(
         rest, is_leaf=lambda v: isinstance(v, nnx.Variable))})
