@@ -77,9 +77,9 @@ _ENTRIES: list[str] = []  # who runs the in-step calls traced now (fxaccum.micro
 
 @contextlib.contextmanager
 def entry(name: str) -> Iterator[None]:
-  """Paths recorded inside name ``name`` as the caller of their in-step call, e.g.
-  ``fxaccum.micro_batched(tower)``: a global view over data axes there means that the
-  function is not provably per-example, so its batch statistics are per micro-batch."""
+  """Paths recorded in this context name ``name`` (e.g. ``fxaccum.micro_batched(tower)
+  backward``) as the caller of their in-step call; a global view there adds that the
+  function runs on each global micro-batch, so its batch statistics are the micro-batch's."""
   _ENTRIES.append(name)
   try:
     yield
