@@ -195,14 +195,16 @@ def main() -> None:
   print("\nproof:")
   for k in ks:
     micro, mean = rows["micro_batched", k], rows["mean of micro-batch losses", k]
-    print(f"  max rel. gradient error vs large batch, micro_batched k={k}: "
-          f"{micro['grad_error']:.1e}")
-    print(f"  max rel. gradient error vs large batch, mean of micro-batch losses k={k}: "
-          f"{mean['grad_error']:.1e}")
-    print(f"  data-axis reductions in loops, micro_batched k={k}: {micro['loop_reductions']}")
-    print(f"  peak vs large batch, micro_batched k={k}: "
-          f"{micro['peak_mib'] / rows['large batch', None]['peak_mib']:.2f}")
-
+    large = rows["large batch", None]
+    for label, value in (
+        (f"max rel. gradient error vs large batch, micro_batched k={k}",
+         f"{micro['grad_error']:.1e}"),
+        (f"max rel. gradient error vs large batch, mean of micro-batch losses k={k}",
+         f"{mean['grad_error']:.1e}"),
+        (f"data-axis reductions in loops, micro_batched k={k}", micro["loop_reductions"]),
+        (f"peak vs large batch, micro_batched k={k}",
+         f"{micro['peak_mib'] / large['peak_mib']:.2f}")):
+      print(f"  {label:<76}{value}")
 
 if __name__ == "__main__":
   main()
