@@ -113,12 +113,20 @@ def micro(k, **kw):
   return tuple(fxaccum.micro_batched(t, micro_batches=k, **kw) for t in PLAIN)
 
 
+def all_losses(towers):
+  """The value and gradients of every loss, in one program."""
+  return lambda p, b: {name: jax.value_and_grad(loss)(p, b, towers)
+                       for name, loss in LOSSES.items()}
+
+
 @functools.cache
-def reference(name):
+def references():
   params, batch = make_problem()
-  value, grads = jax.jit(jax.value_and_grad(
-      lambda p, b: LOSSES[name](p, b, PLAIN)))(params, batch)
-  return jax.device_get((value, grads))
+  return jax.device_get(jax.jit(all_losses(PLAIN))(params, batch))
+
+
+def reference(name):
+  return references()[name]
 
 
 def on_mesh(tree, mesh, batch=False):
@@ -126,19 +134,20 @@ def on_mesh(tree, mesh, batch=False):
   return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec)), tree)
 
 
+@pytest.mark.slow  # compiles several steps (about 5 s or more)
 @pytest.mark.parametrize("k", [4, 8])
 @pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
-@pytest.mark.parametrize("name", sorted(LOSSES))
-def test_contrastive_losses_equal_the_large_batch(name, axis_type, k):
+def test_contrastive_losses_equal_the_large_batch(axis_type, k):
+  """CLIP (two towers, learnable temperature), SigLIP and NT-Xent (one shared tower)."""
   params, batch = make_problem()
   mesh = mesh_of((8,), ("data",), axis_type)
   with jax.set_mesh(mesh):
     args = on_mesh(params, mesh), on_mesh(batch, mesh, batch=True)
-    step = jax.jit(jax.value_and_grad(lambda p, b: LOSSES[name](p, b, micro(k))))
-    value, grads = step(*args)
-  ref_value, ref_grads = reference(name)
-  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-  assert_tree_close(grads, ref_grads, rtol=1e-5)
+    results = jax.jit(all_losses(micro(k)))(*args)
+  for name, (value, grads) in results.items():
+    ref_value, ref_grads = reference(name)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, err_msg=name)
+    assert_tree_close(grads, ref_grads, rtol=1e-5)
 
 
 def mean_of_micro_batch_losses(params, batch, k, loss):
@@ -165,6 +174,7 @@ def per_micro_batch(fun, k, *args, key=None):
   return out.reshape(-1, *out.shape[2:])
 
 
+@pytest.mark.slow  # compiles several steps (about 5 s or more)
 def test_dropout_keys_are_folded_per_micro_batch_and_match_in_the_backward():
   params, batch = make_problem()
   key, k = jax.random.key(3), 4
@@ -261,6 +271,7 @@ def test_per_example_towers_reduce_once_outside_the_loops(axis_type):
   assert len(backward) == 2 and all(p.view == "device" for p in backward), rep.summary()
 
 
+@pytest.mark.slow  # compiles several steps (about 5 s or more)
 def test_peak_memory_is_one_micro_batch_of_activations():
   depth, width, n = 64, 32, 512  # activations dominate the params and the n x n logits
   key = jax.random.split(jax.random.key(0), 3)
