@@ -356,3 +356,49 @@ def test_extra_outputs_any_pytree_of_per_example_leaves():
   np.testing.assert_allclose(value, ref, rtol=1e-5)
   np.testing.assert_array_equal(argmax, ref_argmax)
   assert_tree_close(grads, ref_grads)
+
+
+def test_outputs_without_rows_and_batch_keywords_are_clear_errors():
+  params, batch = make_problem()
+  pooled = fxaccum.micro_batched(lambda p, x: residual_tower(p, x).mean(0), micro_batches=4)
+  with pytest.raises(ValueError, match="per-example outputs"):
+    pooled(params["img"], batch["img"])
+  tower = fxaccum.micro_batched(lambda p, x, *, y: residual_tower(p, x + y), micro_batches=4)
+  with pytest.raises(ValueError, match="keyword argument"):
+    tower(params["img"], batch["img"], y=batch["img"])
+
+
+def fsdp_tower(p, x):
+  """residual_tower with its matmuls' output sharding spelled out, as JAX asks of weights
+  sharded over the batch's axis on an Explicit mesh (FSDP)."""
+  def mm(x, w):
+    return jnp.einsum("...i,ij->...j", x, w, out_sharding=P("data"))
+
+  def layer(h, wb):
+    return h + jnp.tanh(mm(h, wb[0]) + wb[1]), None
+
+  h, _ = lax.scan(layer, mm(x, p["w_in"]), (p["w"], p["b"]))
+  return mm(h, p["w_out"])
+
+
+def test_fsdp_params_on_an_explicit_mesh_keep_their_sharding():
+  params, batch = make_problem()
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+
+  def loss(p, x, tower):
+    return contrastive(tower(p, x))
+
+  ref_value, ref_grads = jax.jit(jax.value_and_grad(loss), static_argnums=2)(
+      params["img"], batch["img"], residual_tower)
+  specs = {"w_in": P(None, "data"), "w": P(None, None, "data"), "b": P(),
+           "w_out": P(None, "data")}
+  with jax.set_mesh(mesh):
+    sharded = {n: jax.device_put(a, NamedSharding(mesh, specs[n]))
+               for n, a in params["img"].items()}
+    tower = fxaccum.micro_batched(fsdp_tower, micro_batches=4)
+    value, grads = jax.jit(jax.value_and_grad(functools.partial(loss, tower=tower)))(
+        sharded, on_mesh(batch["img"], mesh, batch=True))
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  assert_tree_close(grads, ref_grads)
+  assert {n: g.sharding.spec for n, g in grads.items()} == {
+      n: P(*s, *[None] * (params["img"][n].ndim - len(s))) for n, s in specs.items()}

@@ -146,7 +146,14 @@ def _call(spec: _Spec, args: tuple, kwargs: dict) -> Any:
         "state_argnums.")
   parts = _parts(spec, args, kwargs)
   layout = meshes.layout_of(parts.diff, parts.batch, [*parts.keys, *parts.fixed], None)
-  split.leading_size(parts.batch, spec.k, layout.data_devices)
+  rows = split.leading_size(parts.batch, spec.k, layout.data_devices)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(kwargs)[0]:
+    if rows > 1 and is_array(leaf) and jnp.shape(leaf)[:1] == (rows,):
+      raise ValueError(
+          f"{spec.name}: keyword argument {jax.tree_util.keystr(path)} has the batch's "
+          f"{rows} rows on axis 0, but keyword arguments reach every micro-batch whole, not "
+          f"split. Pass batch data positionally and name it in batch_argnums (now "
+          f"{spec.batch_argnums}).")
   return _custom(spec, parts, layout.data_axes)(parts.diff, parts.batch, parts.keys, parts.fixed)
 
 

@@ -90,7 +90,7 @@ def entry(name: str) -> Iterator[None]:
 def record(path: Path) -> str:
   """Registers ``path``; returns the ``jax.named_scope`` name that marks it in HLO."""
   if _ENTRIES:
-    note = ("; it runs on each global micro-batch, so statistics over its rows are the "
+    note = ("; it runs on each global micro-batch, so any statistics over its rows are the "
             "micro-batch's (ghost batch statistics)" if path.view == "global" else "")
     path = dataclasses.replace(path, reason=f"{_ENTRIES[-1]}: {path.reason}{note}")
   index = next(_IDS)
