@@ -50,18 +50,18 @@ def markdown(result: dict) -> str:
 
 
 def study(args: argparse.Namespace) -> None:
-  """``run.py --study contrastive``: ``--quick``, ``--repeats`` (3; quick 1), ``--ks``
-  (4,8), ``--out`` (benchmarks/results/contrastive.json)."""
+  """``run.py --study contrastive``: ``--quick``, ``--repeats`` (3; quick 1), ``--no-time``
+  (memory and errors only), ``--ks`` (4,8), ``--out`` (benchmarks/results/contrastive.json)."""
   sizes = QUICK if args.quick else FULL
   out = args.out or (os.path.join(tempfile.mkdtemp(), "contrastive.json") if args.quick
                      else "benchmarks/results/contrastive.json")
   ks = [int(k) for k in (args.ks or "4,8").split(",")]
-  repeats = args.repeats or (1 if args.quick else 3)
+  repeats = 0 if args.no_time else args.repeats or (1 if args.quick else 3)
   start = time.perf_counter()
   result = example.measure(**sizes, ks=ks, repeats=repeats)
   print(f"CLIP, two residual towers ({sizes['layers']} layers of width {sizes['width']}), "
-        f"batch {sizes['batch']} over {result['devices']} x {result['device']}, "
-        f"median of {repeats} steps\n")
+        f"batch {sizes['batch']} over {result['devices']} x {result['device']}"
+        + (f", median of {repeats} steps\n" if repeats else "\n"))
   print(markdown(result))
   write_json(out, {"environment": environment(), "command": " ".join(sys.argv),
                    "result": result})

@@ -572,7 +572,8 @@ def main() -> None:
                      help="run this measurement instead of the suite")
   study.add_argument("--models", default=None, help="fsdp: the models (default all)")
   study.add_argument("--layers", default="8,16", help="fsdp: layer counts")
-  study.add_argument("--no-time", action="store_true", help="fsdp: memory and errors only")
+  study.add_argument("--no-time", action="store_true",
+                     help="fsdp, contrastive: memory and errors only")
   study.add_argument("--render", metavar="JSON", help="fsdp: print a saved run's tables")
   study.add_argument("--budgets-mib", default="6,4,2.5", help="plan: budgets per device")
   study.add_argument("--batch", type=int, default=64, help="plan: global batch (sequences)")
