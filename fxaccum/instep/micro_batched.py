@@ -57,8 +57,9 @@ def micro_batched(fun: Callable[_P, _R], *, micro_batches: int,
   .paths`` says which view the backward took and why.
 
   ``fun`` returns a pytree of per-example leaves (axis 0 the micro-batch's rows), e.g.
-  embeddings and any extra outputs. Keyword arguments are passed to every micro-batch
-  whole; flax NNX modules are taken with their ``nnx.Param`` state only (module state
+  embeddings and any extra outputs. It is a ``jax.custom_vjp``: reverse mode only
+  (``jax.jvp`` raises, as JAX's error says). Keyword arguments are passed to every
+  micro-batch whole; flax NNX modules are taken with their ``nnx.Param`` state only (module state
   that changes, such as BatchNorm statistics or RNG counts, is refused, as is linen's
   ``mutable=``).
 
@@ -179,11 +180,11 @@ def _parts(spec: _Spec, given: tuple, kwargs: dict) -> _Parts:
     new = [next(diff_it) if d else next(fixed_it) if f else x
            for x, d, f in zip(leaves, is_diff, is_fixed, strict=True)]
     call_args, call_kwargs = jax.tree.unflatten(shared_def, new)
-    for argnums, trees, given in ((spec.batch_argnums, batch, batch_leaves),
-                                  (spec.rng_argnums, keys, key_leaves)):
+    for argnums, trees, values in ((spec.batch_argnums, batch, batch_leaves),
+                                   (spec.rng_argnums, keys, key_leaves)):
       at = 0
       for i, (tree_leaves, treedef) in zip(argnums, trees, strict=True):
-        call_args[i] = jax.tree.unflatten(treedef, given[at:at + len(tree_leaves)])
+        call_args[i] = jax.tree.unflatten(treedef, values[at:at + len(tree_leaves)])
         at += len(tree_leaves)
     for i, (graphdef, _) in graphdefs.items():
       call_args[i] = _nnx_merge(graphdef, call_args[i])
