@@ -11,8 +11,10 @@ Run from the repository root::
 ``fsdp`` (fsdp.py: ``fsdp="auto"`` against each FSDP strategy), ``schedules``
 (schedules.py: the pipeline schedules), ``plan`` (plan.py: ``fxaccum.plan_micro_batches``
 at three budgets), ``one-device`` (one_device.py: fxaccum's loop against plain scan's on
-one device, made for a GPU) and ``coverage`` (coverage.py: which primitives that jax.numpy,
-jax.nn, jax.random, optax's losses and flax's layers emit have a rule in the view analysis).
+one device, made for a GPU), ``coverage`` (coverage.py: which primitives that jax.numpy,
+jax.nn, jax.random, optax's losses and flax's layers emit have a rule in the view analysis)
+and ``contrastive`` (contrastive.py: a CLIP loss over ``fxaccum.micro_batched`` towers
+against the large batch and a ``grad_cached``-style step).
 
 One Adam optimizer step on the same model and global batch, for every (layout, model) setup,
 method and number ``k`` of micro-batches per optimizer step. Layouts (``common.LAYOUTS``):
@@ -108,7 +110,7 @@ from fxaccum import diagnostics
 
 # --study NAME -> the module whose ``study(args)`` runs it (imported when chosen)
 STUDIES = {"fsdp": "fsdp", "schedules": "schedules", "plan": "plan",
-           "one-device": "one_device", "coverage": "coverage"}
+           "one-device": "one_device", "coverage": "coverage", "contrastive": "contrastive"}
 PIPELINE = "pipeline"  # fxaccum.pipeline against the same model without one (pipeline.py)
 SETUPS = ("replicated/mlp", "replicated/lm", "fsdp/mlp", "fsdp/lm", "data_x_model/mlp",
           "replicated/bn_mlp", "replicated_auto/bn_mlp")
@@ -570,7 +572,8 @@ def main() -> None:
                      help="run this measurement instead of the suite")
   study.add_argument("--models", default=None, help="fsdp: the models (default all)")
   study.add_argument("--layers", default="8,16", help="fsdp: layer counts")
-  study.add_argument("--no-time", action="store_true", help="fsdp: memory and errors only")
+  study.add_argument("--no-time", action="store_true",
+                     help="fsdp, contrastive: memory and errors only")
   study.add_argument("--render", metavar="JSON", help="fsdp: print a saved run's tables")
   study.add_argument("--budgets-mib", default="6,4,2.5", help="plan: budgets per device")
   study.add_argument("--batch", type=int, default=64, help="plan: global batch (sequences)")

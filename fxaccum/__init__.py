@@ -9,7 +9,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from fxaccum.crossstep import AccumulateState, accumulate, apply_gradients, is_boundary
-from fxaccum.instep import grad, value_and_grad, value_and_unreduced_grad
+from fxaccum.instep import grad, micro_batched, value_and_grad, value_and_unreduced_grad
 from fxaccum.markers import Concat, Max, Min, State, Sum, Weighted
 from fxaccum.reductions import Unreduced
 from fxaccum.split import MicroBatchSize
@@ -75,6 +75,7 @@ __all__ = [
     "diagnostics",
     "grad",
     "is_boundary",
+    "micro_batched",
     "pipeline",
     "plan_micro_batches",
     "value_and_grad",

@@ -146,3 +146,19 @@ def test_coverage_study_quick_run():
   assert len(table) == without, out
   assert not set(table) & (set(RULES) | set(CALL_RULES)), table
   assert {"dot_general", "reduce_sum"} <= set(with_rule), with_rule
+
+
+@pytest.mark.slow
+def test_contrastive_study_quick_run(tmp_path):
+  """run.py --study contrastive --quick: micro_batched towers are exact, reduce nothing
+  inside a loop and take less memory than the large batch; the mean of the micro-batch
+  losses is another loss."""
+  out = tmp_path / "contrastive.json"
+  run_script("benchmarks/run.py", "--study", "contrastive", "--quick", "--ks", "4",
+             "--no-time", "--out", str(out))
+  rows = {r["method"]: r for r in json.loads(out.read_text())["result"]["rows"]}
+  micro, large = rows["micro_batched"], rows["large batch"]
+  assert micro["grad_error"] < 1e-5 and micro["loop_reductions"] == 0, rows
+  assert micro["peak_mib"] < large["peak_mib"], rows
+  assert rows["mean of micro-batch losses"]["grad_error"] > 1e-2, rows
+  assert rows["grad_cached-style"]["grad_error"] < 1e-5, rows

@@ -80,3 +80,13 @@ def test_pipeline_example_proves_its_claims():
   assert abs(proof_row(out, "bubble (S - 1) / (k + S - 1)")[0] - 3 / 7) < 1e-3, out
   remat, no_remat = proof_row(out, "remat=True")[0], proof_row(out, "remat=False")[0]
   assert remat < no_remat, out
+
+
+def test_contrastive_example_proves_its_claims():
+  out = run_script("examples/contrastive.py", "--batch", "256", "--layers", "4", "--width",
+                   "32", "--ks", "4", "--repeats", "0")
+  assert proof_row(out, "max rel. gradient error vs large batch, micro_batched k=4")[0] < 1e-5
+  # the mean of the micro-batch losses is another loss: the negative control
+  assert proof_row(out, "max rel. gradient error vs large batch, mean of micro-batch losses "
+                        "k=4")[0] > 1e-2, out
+  assert proof_row(out, "data-axis reductions in loops, micro_batched k=4")[0] == 0, out

@@ -3,7 +3,9 @@
 Owns the entry points and their options (:mod:`.api`), the per-device and global views
 (:mod:`.views`), the micro-batch loop (:mod:`.loop`), what one traced call holds
 (:mod:`.call`), how each output is summed (:mod:`.accumulators`), the FSDP strategies
-(:mod:`.fsdp`, :mod:`.gather`) and the record of the view each call took (:mod:`.paths`).
+(:mod:`.fsdp`, :mod:`.gather`), the record of the view each call took (:mod:`.paths`),
+and ``micro_batched`` (:mod:`.micro_batched`), a function over micro-batches whose backward
+is ``value_and_grad``'s loop.
 
 May import: the shared modules (``fxaccum.markers``, ``statistics``, ``split``, ``meshes``,
 ``reductions``, ``jaxprs``), ``fxaccum.analysis``, and ``fxaccum.integrations.nnx_modules``
@@ -12,5 +14,6 @@ only where flax NNX is loaded. Imported by ``fxaccum``, the integrations and
 """
 
 from fxaccum.instep.api import Options, grad, value_and_grad, value_and_unreduced_grad
+from fxaccum.instep.micro_batched import micro_batched
 
-__all__ = ["Options", "grad", "value_and_grad", "value_and_unreduced_grad"]
+__all__ = ["Options", "grad", "micro_batched", "value_and_grad", "value_and_unreduced_grad"]

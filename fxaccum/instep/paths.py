@@ -17,15 +17,16 @@ so :func:`fxaccum.diagnostics.report` can say which view ran and why.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 from fxaccum import analysis as analysis_lib
 
-__all__ = ["Path", "View", "amend", "classify", "record", "recorded"]
+__all__ = ["Path", "View", "amend", "classify", "entry", "record", "recorded"]
 
 View = Literal["auto", "global", "device"]
 
@@ -71,10 +72,27 @@ class Path:
 _PATHS: dict[int, Path] = {}
 _IDS = itertools.count()
 _SCOPE = re.compile(r"fxaccum_path_(\d+)")
+_ENTRIES: list[str] = []  # who runs the in-step calls traced now (fxaccum.micro_batched)
+
+
+@contextlib.contextmanager
+def entry(name: str) -> Iterator[None]:
+  """Paths recorded in this context name ``name`` (e.g. ``fxaccum.micro_batched(tower)
+  backward``) as the caller of their in-step call; a global view there adds that the
+  function runs on each global micro-batch, so its batch statistics are the micro-batch's."""
+  _ENTRIES.append(name)
+  try:
+    yield
+  finally:
+    _ENTRIES.pop()
 
 
 def record(path: Path) -> str:
   """Registers ``path``; returns the ``jax.named_scope`` name that marks it in HLO."""
+  if _ENTRIES:
+    note = ("; it runs on each global micro-batch, so any statistics over its rows are the "
+            "micro-batch's (ghost batch statistics)" if path.view == "global" else "")
+    path = dataclasses.replace(path, reason=f"{_ENTRIES[-1]}: {path.reason}{note}")
   index = next(_IDS)
   _PATHS[index] = path
   return f"fxaccum_path_{index}"
