@@ -161,6 +161,11 @@ def check_quickstart_instep(out):
   assert "loop" not in out, out
 
 
+def check_written_kernel(out):
+  error, written = re.fullmatch(r"gradient error (\S+); kernel written: (\w+)\n", out).groups()
+  assert float(error) < 1e-6 and written == "True", out
+
+
 def check_calls(out):
   assert re.findall(r"call (\d): optimizer step (\d)", out) == [("3", "1"), ("7", "2")], out
 
@@ -199,7 +204,8 @@ CHECKS = {
     "docs/quickstart.md[0]": check_quickstart_instep,
     "docs/quickstart.md[1]": check_calls,
     "docs/nnx.md[0]": check_nnx_instep,
-    "docs/nnx.md[1]": check_calls,
+    "docs/nnx.md[1]": check_written_kernel,
+    "docs/nnx.md[2]": check_calls,
     "docs/instep.md[0]": check_equal_pair,
     "docs/instep.md[1]": lambda out: "view='global'" in out or pytest.fail(out),
     "docs/instep.md[2]": lambda out: "('fsdp', None)" in out or pytest.fail(out),
