@@ -9,8 +9,8 @@ is ``value_and_grad``'s loop.
 
 May import: the shared modules (``fxaccum.markers``, ``options``, ``statistics``, ``split``,
 ``meshes``, ``reductions``, ``jaxprs``), ``fxaccum.analysis``, and
-``fxaccum.integrations.nnx_modules`` only where flax NNX is loaded. Imported by ``fxaccum``, the integrations and
-``fxaccum.diagnostics`` (the paths).
+``fxaccum.integrations.nnx_modules`` only where flax NNX is loaded. Imported by
+``fxaccum``, the integrations and ``fxaccum.diagnostics`` (the paths).
 """
 
 from fxaccum.instep.api import Options, grad, value_and_grad, value_and_unreduced_grad
