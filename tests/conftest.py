@@ -20,6 +20,9 @@ for name, value in FAST_COMPILE.items():
     flags += f" --{name}={value}"
 os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A rule of the view analysis that raises is a bug the test that found it must fail on
+# (users get the global view and a one-time warning instead). Subprocesses inherit it.
+os.environ.setdefault("FXACCUM_RULE_ERRORS", "raise")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -259,6 +259,29 @@ def test_findings_reducible_params_and_blockers():
   assert len(found.blockers) == 1 and "shard_map" in found.blockers[0]
 
 
+def test_a_rule_that_raises_fails_tests_and_warns_users(monkeypatch):
+  """A rule bug raises under the test suite (``FXACCUM_RULE_ERRORS=raise``, set by
+  conftest), so the test that meets it fails; for users the equation counts as mixing
+  examples (the global view, exact) with one warning per primitive asking for a report."""
+  from fxaccum.analysis import interpreter
+
+  def broken(ctx, kinds):
+    raise IndexError("a rule bug")
+
+  monkeypatch.setitem(RULES, "sin", broken)
+  case = Case("sin", True, lambda x, w: jnp.sin(x @ w))
+  with pytest.raises(interpreter.RuleError, match="rule for sin raised") as raised:
+    _analysis(case)
+  assert isinstance(raised.value.__cause__, IndexError)
+  monkeypatch.delenv(interpreter.RULE_ERRORS)
+  monkeypatch.setattr(interpreter, "_WARNED", set())
+  with pytest.warns(RuntimeWarning, match="failed on sin .*IndexError.*report") as caught:
+    _, analysis = _analysis(case)
+    _analysis(case)  # once per primitive
+  assert len([w for w in caught if "failed on sin" in str(w.message)]) == 1
+  assert "please report" in mixing(analysis.outputs[0])
+
+
 def test_a_changed_dim_expr_is_refused_loudly(monkeypatch):
   """Where a JAX release changes the private class the watch patches, the watch patches
   nothing, warns once, and every block records why (the analysis then trusts no symbolic

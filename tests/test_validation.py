@@ -249,11 +249,22 @@ def test_loss_already_normalized_by_a_global_count():
     ("reduce", False, "value_and_unreduced_grad"),
     ("noise_scale", True, "fxaccum.Statistics"),
     ("loss_reduction", "sum", "fxaccum.Sum"),
+    ("accum_dtype", jnp.float32, "accumulator_dtype="),
 ])
 @pytest.mark.parametrize("entry", ["value_and_grad", "grad", "value_and_unreduced_grad"])
 def test_removed_options_name_their_new_spelling(entry, option, value, names):
   with pytest.raises(TypeError, match=f"no longer takes {option}=.*{names}"):
     getattr(fxaccum, entry)(mse, micro_batches=2, **{option: value})
+
+
+def test_accumulate_takes_optax_spelling_of_the_accumulator_dtype():
+  """``accumulator_dtype=`` as optax.MultiSteps spells it; the old name names it."""
+  state = fxaccum.accumulate(2, accumulator_dtype=jnp.bfloat16).init(jnp.ones(3))
+  assert state.accumulator.dtype == jnp.bfloat16
+  with pytest.raises(TypeError, match="no longer takes accum_dtype=; use accumulator_dtype="):
+    fxaccum.accumulate(2, accum_dtype=jnp.float32)
+  with pytest.raises(TypeError, match="unexpected keyword argument 'every'"):
+    fxaccum.accumulate(2, every=3)
 
 
 def test_unknown_options_are_refused():

@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -151,6 +153,30 @@ def _calls(eqn: Any, names: frozenset[str]) -> bool:
 
 
 # Ops that keep a bound on the magnitude of the elements (a sum: times their number).
+# "raise" (the test suite sets it, tests/conftest.py): a rule that raises is a bug that must
+# fail the test that found it. Otherwise the equation counts as mixing examples (the global
+# view, exact) and each primitive's failure is warned about once.
+RULE_ERRORS = "FXACCUM_RULE_ERRORS"
+_WARNED: set[str] = set()
+
+
+class RuleError(RuntimeError):
+  """A rule of the view analysis raised on an equation (under ``FXACCUM_RULE_ERRORS=raise``)."""
+
+
+def _rule_failed(eqn: Any, err: Exception) -> None:
+  name = eqn.primitive.name
+  if os.environ.get(RULE_ERRORS) == "raise":
+    raise RuleError(f"the view analysis's rule for {name} raised on {eqn}") from err
+  if name not in _WARNED:
+    _WARNED.add(name)
+    warnings.warn(
+        f"fxaccum's view analysis failed on {name} ({type(err).__name__}: {err}) with JAX "
+        f"{jax.__version__}: the step takes the global view, which is exact but may be "
+        "slower. Please report it to fxaccum with this message.", RuntimeWarning,
+        stacklevel=2)
+
+
 _KEEPS_BOUND = frozenset({"reduce_sum", "convert_element_type", "copy", "copy_p",
                           "stop_gradient", "reshape", "squeeze", "expand_dims",
                           "broadcast_in_dim", "transpose", "optimization_barrier",
@@ -231,7 +257,8 @@ class _Interpreter:
       return self._eqn_kinds(eqn, kinds, sources)
     except Unpaired:
       raise
-    except Exception as err:  # noqa: BLE001 - a rule that does not fit this JAX's equation
+    except Exception as err:  # noqa: BLE001 - a rule bug: raised in tests, else the global view
+      _rule_failed(eqn, err)
       self.not_reducible.update(sources.values())
       return [Top(with_place(eqn, (
           f"fxaccum could not read {eqn.primitive.name} as JAX {jax.__version__} writes it "

@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fxaccum import meshes, reductions, split
+from fxaccum import meshes, options, reductions, split
 from fxaccum.markers import all_finite, safe_divide
 
 __all__ = ["AccumulateState", "accumulate", "apply_gradients", "is_boundary"]
@@ -52,7 +52,7 @@ class AccumulateState(NamedTuple):
       optimizer step.
     optimizer_step: int32, optimizer steps taken (completed windows).
     accumulator: the window's weighted gradient sum ``sum_i weight_i * grad_i``, with the
-      params' tree structure, dtype ``accum_dtype`` and the params' sharding. With
+      params' tree structure, dtype ``accumulator_dtype`` and the params' sharding. With
       ``data_axes``, every leaf has a leading axis of one partial sum per data-parallel
       device (sharded over those axes, so one gradient copy per device).
     weight: float32, the window's summed weight (per device with ``data_axes``).
@@ -85,7 +85,7 @@ class AccumulateState(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class _Config:
   every_k: EveryK
-  accum_dtype: Any
+  accumulator_dtype: Any
   skip_nonfinite: bool
   data_axes: tuple[str, ...]
 
@@ -123,12 +123,14 @@ def _gate_session():
     _GATE.reset(token)
 
 
+@options.public
 def accumulate(
     every_k: EveryK,
     *,
-    accum_dtype: Any = jnp.float32,
+    accumulator_dtype: Any = jnp.float32,
     skip_nonfinite: bool = False,
     data_axes: str | tuple[str, ...] | None = None,
+    **removed: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates ``every_k`` calls' gradients; the chain steps once per window.
 
@@ -143,7 +145,7 @@ def accumulate(
   Args:
     every_k: calls per optimizer step: an int, or a schedule
       ``optimizer_step -> k`` (like ``optax.MultiSteps``' ``every_k_schedule``).
-    accum_dtype: dtype of the accumulator (float32 by default, also for bf16 params).
+    accumulator_dtype: dtype of the accumulator (float32 by default, also for bf16 params).
     skip_nonfinite: drop a call whose gradient (or weight) holds NaN/Inf, or whose weight
       is negative, as ``optax.MultiSteps`` does: it adds nothing and does not count as a
       call of the window (a window never ends on skipped calls alone); ``skipped`` counts
@@ -169,13 +171,17 @@ def accumulate(
     [0. 0.] False
     [-2. -3.] True
   """
+  options.check_removed("accumulate", removed)
+  if removed:
+    raise TypeError(f"fxaccum.accumulate() got an unexpected keyword argument "
+                    f"{next(iter(removed))!r}.")
   if not callable(every_k):
     every_k = split.check_micro_batches(every_k, "every_k")
-  accum_dtype = jnp.dtype(accum_dtype)
-  if not jnp.issubdtype(accum_dtype, jnp.floating):
-    raise TypeError(f"accum_dtype must be a float dtype, got {accum_dtype}.")
+  accumulator_dtype = jnp.dtype(accumulator_dtype)
+  if not jnp.issubdtype(accumulator_dtype, jnp.floating):
+    raise TypeError(f"accumulator_dtype must be a float dtype, got {accumulator_dtype}.")
   axes = meshes.as_data_axes(data_axes, "accumulate's data_axes") or ()
-  config = _Config(every_k, accum_dtype, bool(skip_nonfinite), axes)
+  config = _Config(every_k, accumulator_dtype, bool(skip_nonfinite), axes)
 
   def init_fn(params):
     masked = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
@@ -187,10 +193,10 @@ def accumulate(
           "optax.chain(fxaccum.accumulate(k), optax.masked(...), ...).")
     if axes:
       mesh = _data_mesh(params, axes)
-      accumulator = _per_device_zeros(params, mesh, axes, accum_dtype)
+      accumulator = _per_device_zeros(params, mesh, axes, accumulator_dtype)
       weight = _per_device_zeros(jnp.zeros((), jnp.float32), mesh, axes, jnp.float32)
     else:
-      accumulator = jax.tree.map(lambda p: jnp.zeros_like(p, accum_dtype), params)
+      accumulator = jax.tree.map(lambda p: jnp.zeros_like(p, accumulator_dtype), params)
       weight = jnp.zeros((), jnp.float32)
     return AccumulateState(
         micro_step=jnp.zeros((), jnp.int32),
@@ -456,8 +462,8 @@ def _add(config: _Config, state: AccumulateState, grads: Any, weight: Any,
   _check_grads(total, params, unreduced)
 
   def contribution(g):
-    g = g.astype(config.accum_dtype)
-    g = g if unreduced else g * weight.astype(config.accum_dtype)
+    g = g.astype(config.accumulator_dtype)
+    g = g if unreduced else g * weight.astype(config.accumulator_dtype)
     # Weight 0 adds nothing, even a NaN gradient (Unreduced: per device slot).
     w = weight.reshape(weight.shape + (1,) * (g.ndim - weight.ndim))
     zero = jnp.broadcast_to(w == 0, g.shape)

@@ -7,10 +7,10 @@ Owns the entry points and their options (:mod:`.api`), the per-device and global
 and ``micro_batched`` (:mod:`.micro_batched`), a function over micro-batches whose backward
 is ``value_and_grad``'s loop.
 
-May import: the shared modules (``fxaccum.markers``, ``statistics``, ``split``, ``meshes``,
-``reductions``, ``jaxprs``), ``fxaccum.analysis``, and ``fxaccum.integrations.nnx_modules``
-only where flax NNX is loaded. Imported by ``fxaccum``, the integrations and
-``fxaccum.diagnostics`` (the paths).
+May import: the shared modules (``fxaccum.markers``, ``options``, ``statistics``, ``split``,
+``meshes``, ``reductions``, ``jaxprs``), ``fxaccum.analysis``, and
+``fxaccum.integrations.nnx_modules`` only where flax NNX is loaded. Imported by
+``fxaccum``, the integrations and ``fxaccum.diagnostics`` (the paths).
 """
 
 from fxaccum.instep.api import Options, grad, value_and_grad, value_and_unreduced_grad

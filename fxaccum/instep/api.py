@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypedDict, Unpack, overload
@@ -19,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from fxaccum import meshes, reductions, split
+from fxaccum import options as options_lib
 from fxaccum.instep import fsdp as fsdp_lib
 from fxaccum.instep import paths
 from fxaccum.instep.call import Config, Threaded, is_array
@@ -46,39 +46,13 @@ class Options(TypedDict, total=False):
   state_argnums: Argnums
   data_axes: str | Sequence[str] | None
   param_shardings: Any
-  accum_dtype: Any
+  accumulator_dtype: Any
   view: paths.View
   skip_nonfinite: bool
 
 
 class _ReducedOptions(Options, total=False):
   fsdp: fsdp_lib.Fsdp
-
-
-# Options that are gone, and what says the same now.
-_REMOVED = {
-    "micro_batch_size": "micro_batches=fxaccum.MicroBatchSize(m)",
-    "fsdp_reduce": "fsdp='zero1' (fsdp_reduce='per_step'), or leave fsdp='auto' to choose",
-    "fsdp_gather": "fsdp='zero3' (fsdp_gather='per_micro_batch'), or leave fsdp='auto' to "
-                   "choose",
-    "bucket_bytes": "nothing: gradient reductions are bucketed at 2 MiB, the size measured "
-                    "best (docs/performance.md)",
-    "reduce": "fxaccum.value_and_unreduced_grad(...) for reduce=False (its gradients are "
-              "fxaccum.Unreduced)",
-    "noise_scale": "has_aux=True with fxaccum.Statistics() in the loss's aux: the step's "
-                   "statistics replace it, the noise scale in .noise_scale",
-    "loss_reduction": "a loss returned as fxaccum.Sum(loss) for loss_reduction='sum' (the "
-                      "value and gradients are then its sums over the micro-batches)",
-}
-
-
-def _public(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """``fn`` whose signature (``inspect.signature``, ``help``) leaves out ``**removed``, the
-  catch-all that names a removed option's new spelling."""
-  signature = inspect.signature(fn)
-  fn.__signature__ = signature.replace(  # type: ignore[attr-defined]
-      parameters=[p for p in signature.parameters.values() if p.name != "removed"])
-  return fn
 
 
 @overload
@@ -98,7 +72,7 @@ def value_and_grad(fun: Callable[_P, Any], argnums: Argnums, has_aux: Literal[Tr
 def value_and_grad(fun: Callable[_P, Any], argnums: Argnums = ..., has_aux: bool = ..., *,
                    micro_batches: MicroBatches, **options: Unpack[_ReducedOptions]
                    ) -> Callable[_P, tuple[Any, Any]]: ...
-@_public
+@options_lib.public
 def value_and_grad(
     fun: Callable[_P, Any],
     argnums: Argnums = 0,
@@ -110,7 +84,7 @@ def value_and_grad(
     state_argnums: Argnums = (),
     data_axes: str | Sequence[str] | None = None,
     param_shardings: Any = None,
-    accum_dtype: Any = jnp.float32,
+    accumulator_dtype: Any = jnp.float32,
     view: paths.View = "auto",
     fsdp: fsdp_lib.Fsdp = "auto",
     skip_nonfinite: bool = False,
@@ -160,7 +134,7 @@ def value_and_grad(
   ``fxaccum.diagnostics.report(step, ...).paths`` says which view a step took and why.
 
   Gradients come back in the dtype of the params (like ``jax.grad``), summed in
-  ``accum_dtype``; the value has the dtype of the loss ``fun`` returned. Params sharded
+  ``accumulator_dtype``; the value has the dtype of the loss ``fun`` returned. Params sharded
   over a data axis (FSDP) keep their sharding. In the per-device view ``fsdp`` picks how
   they are gathered and their gradients reduced: ``"auto"`` (default) gathers each param
   where the loss uses it (one layer at a time in a scan over stacked layers, ZeRO-3)
@@ -193,7 +167,7 @@ def value_and_grad(
       a tuple ``argnums``), e.g. from ``nn.get_partition_spec`` or
       ``nnx.get_partition_spec``. FSDP gradients then come back sharded like the params.
       flax NNX ``Variable`` sharding metadata is read without it.
-    accum_dtype: dtype of the gradient accumulators (float32 by default, also for bf16
+    accumulator_dtype: dtype of the gradient accumulators (float32 by default, also for bf16
       params). Loss totals are always summed in at least float32, weights in int32 or
       float32.
     view: ``"auto"`` (default), ``"device"`` or ``"global"``; see above.
@@ -236,7 +210,7 @@ def value_and_grad(
       "value_and_grad", fun, argnums, has_aux, removed, reduce=True,
       micro_batches=micro_batches, batch_argnums=batch_argnums, rng_argnums=rng_argnums,
       state_argnums=state_argnums, data_axes=data_axes, param_shardings=param_shardings,
-      accum_dtype=accum_dtype, view=view, fsdp=fsdp, skip_nonfinite=skip_nonfinite)
+      accumulator_dtype=accumulator_dtype, view=view, fsdp=fsdp, skip_nonfinite=skip_nonfinite)
 
 
 @overload
@@ -338,11 +312,10 @@ def _entry_point(entry: str, fun: Callable[..., Any], argnums: Any, has_aux: boo
                  given: dict[str, Any], *, reduce: bool, **options: Any) -> Callable[..., Any]:
   """The function an entry point returns, from its options (``given``: the keyword
   arguments it did not name: removed options, or, for :func:`grad`, all of them)."""
-  options = {**options, **{k: v for k, v in given.items() if k not in _REMOVED}}
+  options_lib.check_removed(entry, given)
+  options = {**options, **given}
   known = set(_ReducedOptions.__annotations__) | {"micro_batches"}
   for name in given:
-    if name in _REMOVED:
-      raise TypeError(f"fxaccum.{entry} no longer takes {name}=; use {_REMOVED[name]}.")
     if name not in known or (name == "fsdp" and not reduce):
       raise TypeError(f"fxaccum.{entry}() got an unexpected keyword argument {name!r}.")
   config = _make_config(fun, argnums, has_aux, reduce=reduce, **options)
@@ -357,7 +330,7 @@ def _entry_point(entry: str, fun: Callable[..., Any], argnums: Any, has_aux: boo
 
 def _make_config(fun, argnums, has_aux, *, micro_batches=None, batch_argnums=1,
                  rng_argnums=(), state_argnums=(), data_axes=None, param_shardings=None,
-                 accum_dtype=jnp.float32, view="auto", fsdp="auto", skip_nonfinite=False,
+                 accumulator_dtype=jnp.float32, view="auto", fsdp="auto", skip_nonfinite=False,
                  reduce) -> Config:
   """Validates the entry points' arguments (all static) into a :class:`Config`."""
   if micro_batches is None:
@@ -384,9 +357,9 @@ def _make_config(fun, argnums, has_aux, *, micro_batches=None, batch_argnums=1,
                                ("fsdp", fsdp, fsdp_lib.STRATEGIES)):
     if value not in allowed:
       raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
-  accum_dtype = jnp.dtype(accum_dtype)
-  if not jnp.issubdtype(accum_dtype, jnp.floating):
-    raise TypeError(f"accum_dtype must be a float dtype, got {accum_dtype}.")
+  accumulator_dtype = jnp.dtype(accumulator_dtype)
+  if not jnp.issubdtype(accumulator_dtype, jnp.floating):
+    raise TypeError(f"accumulator_dtype must be a float dtype, got {accumulator_dtype}.")
   single_argnum = isinstance(argnums, int)
   if param_shardings is not None:
     param_shardings = (param_shardings,) if single_argnum else tuple(param_shardings)
@@ -396,7 +369,7 @@ def _make_config(fun, argnums, has_aux, *, micro_batches=None, batch_argnums=1,
       single_argnum=single_argnum, filters=filters, batch_argnums=batch_argnums_t,
       rng_argnums=rng_argnums_t, state_argnums=state_argnums_t,
       data_axes=meshes.as_data_axes(data_axes),
-      param_shardings=param_shardings, accum_dtype=accum_dtype, fsdp=fsdp,
+      param_shardings=param_shardings, accumulator_dtype=accumulator_dtype, fsdp=fsdp,
       reduce=reduce, view=view, skip_nonfinite=bool(skip_nonfinite))
 
 

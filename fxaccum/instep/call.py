@@ -42,7 +42,7 @@ class Config:
   state_argnums: tuple[int, ...]
   data_axes: tuple[str, ...] | None  # None: inferred per call
   param_shardings: tuple[Any, ...] | None  # one tree per differentiated argument
-  accum_dtype: Any
+  accumulator_dtype: Any
   fsdp: fsdp_lib.Fsdp
   reduce: bool  # False: value_and_unreduced_grad
   view: paths.View

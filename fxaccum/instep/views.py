@@ -533,7 +533,7 @@ def _device_loop(config: Config, layout: meshes.Layout, call: Call, presummed: b
             for mean, leaf in zip(means, call.diff_leaves, strict=True)]
 
   sums = acc.Accumulator(
-      lambda: [meshes.vary(jnp.zeros_like(leaf, config.accum_dtype), axes) for leaf in whole],
+      lambda: [meshes.vary(jnp.zeros_like(leaf, config.accumulator_dtype), axes) for leaf in whole],
       lambda sums, grads, index, weight: [
           total + g.astype(total.dtype) for total, g in zip(sums, grads, strict=True)],
       finalize)
@@ -620,8 +620,8 @@ def _global_loop(config: Config, layout: meshes.Layout, path: paths.Path,
     return lax.with_sharding_constraint(x, NamedSharding(layout.mesh, hint))
 
   def init():
-    return [jnp.zeros(jnp.shape(leaf), config.accum_dtype, out_sharding=P(*spec, unreduced=r))
-            if r else constrain(i, jnp.zeros_like(leaf, config.accum_dtype))
+    return [jnp.zeros(jnp.shape(leaf), config.accumulator_dtype, out_sharding=P(*spec, unreduced=r))
+            if r else constrain(i, jnp.zeros_like(leaf, config.accumulator_dtype))
             for i, (leaf, spec, r) in enumerate(zip(call.diff_leaves, specs, reduced,
                                                     strict=True))]
 
