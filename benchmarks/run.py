@@ -11,8 +11,10 @@ Run from the repository root::
 ``fsdp`` (fsdp.py: ``fsdp="auto"`` against each FSDP strategy), ``schedules``
 (schedules.py: the pipeline schedules), ``plan`` (plan.py: ``fxaccum.plan_micro_batches``
 at three budgets), ``one-device`` (one_device.py: fxaccum's loop against plain scan's on
-one device, made for a GPU) and ``coverage`` (coverage.py: which primitives that jax.numpy,
-jax.nn, jax.random, optax's losses and flax's layers emit have a rule in the view analysis).
+one device, made for a GPU), ``crossstep-memory`` (crossstep_memory.py: the gated step's
+compiled memory against ``optax.MultiSteps`` as flax users jit it) and ``coverage``
+(coverage.py: which primitives that jax.numpy, jax.nn, jax.random, optax's losses and
+flax's layers emit have a rule in the view analysis).
 
 One Adam optimizer step on the same model and global batch, for every (layout, model) setup,
 method and number ``k`` of micro-batches per optimizer step. Layouts (``common.LAYOUTS``):
@@ -108,7 +110,8 @@ from fxaccum import diagnostics
 
 # --study NAME -> the module whose ``study(args)`` runs it (imported when chosen)
 STUDIES = {"fsdp": "fsdp", "schedules": "schedules", "plan": "plan",
-           "one-device": "one_device", "coverage": "coverage"}
+           "one-device": "one_device", "coverage": "coverage",
+           "crossstep-memory": "crossstep_memory"}
 PIPELINE = "pipeline"  # fxaccum.pipeline against the same model without one (pipeline.py)
 SETUPS = ("replicated/mlp", "replicated/lm", "fsdp/mlp", "fsdp/lm", "data_x_model/mlp",
           "replicated/bn_mlp", "replicated_auto/bn_mlp")

@@ -25,9 +25,13 @@ from typing import Literal
 
 from fxaccum import analysis as analysis_lib
 
-__all__ = ["Path", "View", "amend", "classify", "record", "recorded"]
+__all__ = ["ONE_DEVICE", "Path", "View", "amend", "classify", "record", "recorded"]
 
 View = Literal["auto", "global", "device"]
+
+# The reason on a mesh whose data axes hold one device: true for every loss there.
+ONE_DEVICE = ("one data-parallel device: its rows are the global micro-batch, so the global "
+              "view is the device view (there is nothing to add up over devices)")
 
 
 @dataclasses.dataclass(frozen=True)
