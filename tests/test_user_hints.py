@@ -1,0 +1,105 @@
+"""What fxaccum tells a user who did not read the docs: true reasons on every mesh size, a
+warning on an empty compiled step, and a warning on a PRNG key every micro-batch shares."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import assert_tree_close
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fxaccum
+from fxaccum import diagnostics
+
+ROWS, DIM = 16, 4
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(ROWS, DIM)).astype(np.float32)
+Y = RNG.normal(size=(ROWS, 2)).astype(np.float32)
+W = RNG.normal(size=(DIM, 2)).astype(np.float32)
+
+
+def mean_loss(w, batch):
+  x, y = batch
+  return jnp.mean((x @ w - y) ** 2)
+
+
+def constant_count_loss(w, batch):
+  """A sum over examples divided by a constant: not a mean on fewer rows than 16."""
+  x, y = batch
+  return jnp.sum((x @ w - y) ** 2) / ROWS
+
+
+def on_mesh(devices, loss):
+  mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+  with jax.set_mesh(mesh):
+    batch = jax.device_put((X, Y), NamedSharding(mesh, P("data")))
+    fn = jax.jit(fxaccum.value_and_grad(loss, micro_batches=2))
+    (path,) = diagnostics.paths(fn, W, batch)
+    return path, fn(W, batch)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 8])
+def test_the_reason_for_a_mean_loss_is_true_on_every_mesh_size(devices):
+  path, (value, grad) = on_mesh(devices, mean_loss)
+  # The reference: jax.value_and_grad of the mean over the 2 micro-batches (rows i::2).
+  parts = [jax.value_and_grad(mean_loss)(W, (X[i::2], Y[i::2])) for i in range(2)]
+  assert_tree_close((value, grad), jax.tree.map(lambda *a: sum(a) / 2, *parts), rtol=1e-5)
+  assert "scale differently" not in path.reason, path
+  if devices == 1:  # one device: its rows are the global micro-batch
+    assert path.reason.startswith("one data-parallel device"), path
+  else:
+    assert path == diagnostics.Path("device", "the loss is a mean of per-example terms",
+                                    ("data",)), path
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_a_loss_divided_by_a_constant_count_reads_so_only_where_it_matters(devices):
+  """Negative control: on 8 devices the reason is the loss's scaling (true there); on one
+  device it would not be, and the reason is the device count."""
+  path, (value, grad) = on_mesh(devices, constant_count_loss)
+  parts = [jax.value_and_grad(constant_count_loss)(W, (X[i::2], Y[i::2])) for i in range(2)]
+  assert_tree_close((value, grad), jax.tree.map(lambda *a: sum(a) / 2, *parts), rtol=1e-5)
+  assert path.view == "global"
+  if devices == 1:
+    assert path.reason.startswith("one data-parallel device"), path
+  else:
+    assert "scale differently" in path.reason, path
+
+
+# --------------------------------------------------------------------------- empty steps
+
+
+def nnx_step_parts():
+  model = nnx.Linear(DIM, 2, rngs=nnx.Rngs(0))
+  opt = fxaccum.Optimizer(model, optax.chain(fxaccum.accumulate(2), optax.adam(1e-3)),
+                          wrt=nnx.Param)
+
+  def step(model, opt, x):
+    opt.update(model, nnx.grad(lambda m, x: jnp.mean(m(x) ** 2))(model, x))
+
+  return step, model, opt, jnp.asarray(X)
+
+
+def test_report_of_an_nnx_step_mutated_under_jax_jit_warns_with_the_fix():
+  step, model, opt, x = nnx_step_parts()
+  with pytest.warns(UserWarning, match=r"returns nothing.*nnx\.jit"):
+    rep = diagnostics.report(jax.jit(step), model, opt, x)
+  assert rep.memory.peak_bytes == 0  # what the user saw: an empty report
+  compiled = jax.jit(step).lower(model, opt, x).compile()
+  with pytest.warns(UserWarning, match="returns nothing"):
+    diagnostics.from_compiled(compiled)
+
+
+def test_report_of_a_step_that_computes_something_does_not_warn():
+  """Negative control: the same step under nnx.jit, and a plain function."""
+  step, model, opt, x = nnx_step_parts()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    rep = diagnostics.report(nnx.jit(step), model, opt, x)
+    assert rep.memory.output_bytes > 0
+    diagnostics.report(jax.jit(lambda v: v * 2), x)
