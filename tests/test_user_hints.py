@@ -103,3 +103,56 @@ def test_report_of_a_step_that_computes_something_does_not_warn():
     rep = diagnostics.report(nnx.jit(step), model, opt, x)
     assert rep.memory.output_bytes > 0
     diagnostics.report(jax.jit(lambda v: v * 2), x)
+
+
+# --------------------------------------------------------------------------- shared keys
+
+
+def dropout_loss():
+  """A loss that draws a dropout mask per example from its key argument (a new function
+  per test: the warning comes once per function)."""
+  def loss(w, batch, key):
+    x, y = batch
+    keep = jax.random.bernoulli(key, 0.5, x.shape)
+    return jnp.mean((jnp.where(keep, x / 0.5, 0) @ w - y) ** 2)
+  return loss
+
+
+def projection_loss():
+  """A loss whose random draw has no batch axis: one projection every example shares."""
+  def loss(w, batch, key):
+    x, y = batch
+    return jnp.mean((x @ jax.random.normal(key, (DIM, DIM)) @ w - y) ** 2)
+  return loss
+
+
+def shared_warnings(loss, key, **options):
+  fn = fxaccum.value_and_grad(loss, micro_batches=4, **options)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = fn(W, (X, Y), key)
+    fn(W, (X, Y), key)  # the second call does not warn again
+  return [str(w.message) for w in caught if "PRNG key" in str(w.message)], out
+
+
+@pytest.mark.parametrize("key", [jax.random.key(1), jax.random.PRNGKey(1)],
+                         ids=["typed", "raw"])
+def test_a_shared_key_drawing_per_example_noise_warns_once_naming_rng_argnums(key):
+  loss = dropout_loss()
+  found, (value, grad) = shared_warnings(loss, key)
+  assert len(found) == 1, found
+  assert "rng_argnums=2" in found[0] and "every micro-batch" in found[0], found
+  # What the warning says happens: every micro-batch draws with the same key.
+  parts = [jax.value_and_grad(loss)(W, (X[i::4], Y[i::4]), key) for i in range(4)]
+  assert_tree_close((value, grad), jax.tree.map(lambda *a: sum(a) / 4, *parts), rtol=1e-5)
+
+
+def test_no_warning_with_rng_argnums_or_without_a_batch_axis_under_jit():
+  """Negative controls: the same dropout with rng_argnums (folded per micro-batch), and a
+  draw without a batch axis, shared on purpose; also traced under jax.jit."""
+  key = jax.random.key(1)
+  assert shared_warnings(dropout_loss(), key, rng_argnums=2)[0] == []
+  assert shared_warnings(projection_loss(), key)[0] == []
+  loss = dropout_loss()
+  with pytest.warns(UserWarning, match="rng_argnums=2"):
+    jax.jit(fxaccum.value_and_grad(loss, micro_batches=4))(W, (X, Y), key)

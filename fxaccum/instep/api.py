@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from fxaccum import meshes, reductions, split
 from fxaccum.instep import fsdp as fsdp_lib
-from fxaccum.instep import paths
+from fxaccum.instep import keys, paths
 from fxaccum.instep.call import Config, is_array
 from fxaccum.instep.views import run_call
 from fxaccum.split import MicroBatchSize
@@ -446,6 +446,7 @@ def _call(config: Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> 
                     layout.data_devices)
   rows = split.leading_size(batch, config.micro_batches, layout.data_devices)
   _check_kwargs(kwargs, rows, config)
+  keys.warn_shared_keys(config, module_args, kwargs)
   if not config.reduce and any(layout.param_dims):
     raise ValueError(
         "fxaccum.value_and_unreduced_grad keeps one full gradient per device, so it needs "
