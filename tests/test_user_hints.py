@@ -156,3 +156,19 @@ def test_no_warning_with_rng_argnums_or_without_a_batch_axis_under_jit():
   loss = dropout_loss()
   with pytest.warns(UserWarning, match="rng_argnums=2"):
     jax.jit(fxaccum.value_and_grad(loss, micro_batches=4))(W, (X, Y), key)
+
+
+def test_no_warning_for_an_nnx_rngs_argument_threaded_through_the_micro_batches():
+  """Negative control: an nnx.Rngs argument holds keys too, but fxaccum threads it (it
+  advances once per micro-batch), so its dropout masks differ between micro-batches."""
+  model = nnx.Linear(DIM, 2, rngs=nnx.Rngs(0))
+  drop = nnx.Dropout(0.5)
+
+  def loss(model, batch, rngs):
+    x, y = batch
+    return jnp.mean((model(drop(x, rngs=rngs)) - y) ** 2)
+
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    nnx.jit(fxaccum.value_and_grad(loss, micro_batches=4))(model, (X, Y), nnx.Rngs(dropout=1))
+  assert not [w for w in caught if "PRNG key" in str(w.message)]

@@ -446,7 +446,7 @@ def _call(config: Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> 
                     layout.data_devices)
   rows = split.leading_size(batch, config.micro_batches, layout.data_devices)
   _check_kwargs(kwargs, rows, config)
-  keys.warn_shared_keys(config, module_args, kwargs)
+  keys.warn_shared_keys(config, module_args, kwargs, modules.positions if modules else ())
   if not config.reduce and any(layout.param_dims):
     raise ValueError(
         "fxaccum.value_and_unreduced_grad keeps one full gradient per device, so it needs "

@@ -39,12 +39,14 @@ def _first_time(fun: Any) -> bool:
   return not seen
 
 
-def warn_shared_keys(config: Config, args: Sequence[Any], kwargs: dict) -> None:
-  """Warns once per loss function where a shared key draws values along the batch axis."""
+def warn_shared_keys(config: Config, args: Sequence[Any], kwargs: dict,
+                     threaded: Sequence[int] = ()) -> None:
+  """Warns once per loss function where a shared key draws values along the batch axis.
+  ``threaded``: the positions of NNX graph nodes (an ``nnx.Rngs`` advances per micro-batch)."""
   if not _first_time(config.fun):
     return
   named = {*config.diff_argnums, *config.batch_argnums, *config.rng_argnums,
-           *config.state_argnums}
+           *config.state_argnums, *threaded}
   offsets, inputs = 0, {}
   for i, arg in enumerate(args):
     leaves = jax.tree.leaves(arg)
