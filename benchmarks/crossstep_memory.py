@@ -6,7 +6,7 @@ A study of ``benchmarks/run.py``; run from the repository root::
   python benchmarks/run.py --study crossstep-memory --quick    # width 256 (the test's size)
 
 The model is a 4-layer MLP (``--mlp-width``, 1024 by default: 16 MiB of float32 params),
-adam, one optimizer step every 4 calls, ``--batch`` rows per call (32). Each step is
+adam, one optimizer step every 4 calls, ``--rows`` rows per call (32). Each step is
 compiled, never run, on one device, in three ways: flax NNX as NNX users write it
 (``nnx.merge``, ``optimizer.update``, ``nnx.split``, under ``jax.jit``) without donation,
 which is ``nnx.jit``'s default, and with the state donated; and linen's ``TrainState``
@@ -133,9 +133,9 @@ def table(results: dict[str, dict[str, dict[str, float]]]) -> str:
 
 def study(args: argparse.Namespace) -> None:
   """``run.py --study crossstep-memory``: ``--mlp-width`` (1024; ``--quick``: 256),
-  ``--batch`` (32 rows per call here), ``--out``."""
+  ``--rows`` per call (32), ``--out``."""
   width = args.mlp_width or (256 if args.quick else 1024)
-  batch = 32 if args.batch == 64 else args.batch  # 64 is --batch's default for --study plan
+  batch = args.rows
   out = args.out or "benchmarks/results/crossstep_memory.json"
   results = measure(width, batch)
   device = jax.devices()[0]

@@ -583,6 +583,8 @@ def main() -> None:
   study.add_argument("--calls", type=int, default=None, help="one-device: calls per round")
   study.add_argument("--profile", action="store_true", help="one-device: time per kernel")
   study.add_argument("--variants", default=None, help="one-device: variants (default all)")
+  study.add_argument("--rows", type=int, default=32,
+                     help="crossstep-memory: rows per call")
   study.add_argument("--child", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.study:
