@@ -29,9 +29,11 @@ __all__ = ["ONE_DEVICE", "Path", "View", "amend", "classify", "record", "recorde
 
 View = Literal["auto", "global", "device"]
 
-# The reason on a mesh whose data axes hold one device: true for every loss there.
-ONE_DEVICE = ("one data-parallel device: its rows are the global micro-batch, so the global "
-              "view is the device view (there is nothing to add up over devices)")
+# The reason on a mesh whose data axes hold one device, for either view: true for every
+# loss there (the analysis reads one size only, so how values scale is not known).
+ONE_DEVICE = ("one data-parallel device: its rows are the global micro-batch, so the device "
+              "and global views run the loss on the same rows (nothing is added up over "
+              "devices)")
 
 
 @dataclasses.dataclass(frozen=True)
