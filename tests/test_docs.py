@@ -201,6 +201,7 @@ def check_migrating(out):
   assert float(errors["MultiSteps"]) < 1e-5 and float(errors["accumulate"]) < 1e-5, out
   assert float(errors["fxaccum.grad"]) < 1e-5, out
   assert abs(float(errors["microbatch(jax.grad) (SUM)"]) - 2) < 1e-3, out
+  assert abs(float(errors["hand-written accumulator"]) - 2) < 1e-3, out
   assert out.splitlines()[2].endswith("trained nothing: True"), out
 
 
