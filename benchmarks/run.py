@@ -11,10 +11,12 @@ Run from the repository root::
 ``fsdp`` (fsdp.py: ``fsdp="auto"`` against each FSDP strategy), ``schedules``
 (schedules.py: the pipeline schedules), ``plan`` (plan.py: ``fxaccum.plan_micro_batches``
 at three budgets), ``one-device`` (one_device.py: fxaccum's loop against plain scan's on
-one device, made for a GPU), ``coverage`` (coverage.py: which primitives that jax.numpy,
-jax.nn, jax.random, optax's losses and flax's layers emit have a rule in the view analysis)
-and ``contrastive`` (contrastive.py: a CLIP loss over ``fxaccum.micro_batched`` towers
-against the large batch and a ``grad_cached``-style step).
+one device, made for a GPU), ``crossstep-memory`` (crossstep_memory.py: the gated step's
+compiled memory against ``optax.MultiSteps`` as flax users jit it), ``coverage``
+(coverage.py: which primitives that jax.numpy, jax.nn, jax.random, optax's losses and
+flax's layers emit have a rule in the view analysis) and ``contrastive`` (contrastive.py:
+a CLIP loss over ``fxaccum.micro_batched`` towers against the large batch and a
+``grad_cached``-style step).
 
 One Adam optimizer step on the same model and global batch, for every (layout, model) setup,
 method and number ``k`` of micro-batches per optimizer step. Layouts (``common.LAYOUTS``):
@@ -110,7 +112,8 @@ from fxaccum import diagnostics
 
 # --study NAME -> the module whose ``study(args)`` runs it (imported when chosen)
 STUDIES = {"fsdp": "fsdp", "schedules": "schedules", "plan": "plan",
-           "one-device": "one_device", "coverage": "coverage", "contrastive": "contrastive"}
+           "one-device": "one_device", "coverage": "coverage", "contrastive": "contrastive",
+           "crossstep-memory": "crossstep_memory"}
 PIPELINE = "pipeline"  # fxaccum.pipeline against the same model without one (pipeline.py)
 SETUPS = ("replicated/mlp", "replicated/lm", "fsdp/mlp", "fsdp/lm", "data_x_model/mlp",
           "replicated/bn_mlp", "replicated_auto/bn_mlp")
@@ -583,6 +586,8 @@ def main() -> None:
   study.add_argument("--calls", type=int, default=None, help="one-device: calls per round")
   study.add_argument("--profile", action="store_true", help="one-device: time per kernel")
   study.add_argument("--variants", default=None, help="one-device: variants (default all)")
+  study.add_argument("--rows", type=int, default=32,
+                     help="crossstep-memory: rows per call")
   study.add_argument("--child", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.study:

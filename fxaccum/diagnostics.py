@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -209,7 +210,9 @@ def report(fn: Callable[..., Any], *args: Any, mesh: Any = None, **kwargs: Any) 
     **kwargs: example keyword arguments.
 
   Returns:
-    A :class:`Report` of the compiled program.
+    A :class:`Report` of the compiled program. A program with no outputs (or with no
+    arguments, outputs, temporaries or collectives) warns: it computes nothing, e.g. a
+    step that updates flax NNX modules in place under ``jax.jit`` instead of ``nnx.jit``.
 
   Example:
     >>> import jax, jax.numpy as jnp, fxaccum
@@ -230,7 +233,9 @@ def report(fn: Callable[..., Any], *args: Any, mesh: Any = None, **kwargs: Any) 
   compiled = fn.lower(*args, **kwargs).compile()
   if mesh is None:
     mesh = meshes.find_mesh(jax.tree.leaves((args, kwargs)))
-  return from_compiled(compiled, mesh=mesh)
+  rep = _report_of(compiled, mesh)
+  _warn_if_empty(compiled, rep)
+  return rep
 
 
 def paths(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Path]:
@@ -273,9 +278,38 @@ def from_compiled(compiled: Any, mesh: Any = None) -> Report:
     >>> rep.collectives, rep.memory.output_bytes
     ((), 32)
   """
+  rep = _report_of(compiled, mesh)
+  _warn_if_empty(compiled, rep)
+  return rep
+
+
+def _report_of(compiled: Any, mesh: Any) -> Report:
   text = compiled.as_text()
   return Report(tuple(parse_hlo(text, mesh)), _memory_of(compiled),
                 tuple(paths_lib.recorded(text)))
+
+
+EMPTY_MESSAGE = (
+    "fxaccum.diagnostics: the compiled step {what}, so this report is empty: it computes "
+    "nothing a caller can see. The likely cause: the step updates flax NNX modules or "
+    "optimizers in place (optimizer.update(model, grads)) under jax.jit, which keeps "
+    "none of those updates, so the compiler removed the whole step and nothing trains. "
+    "Jit it with nnx.jit, or return the new state from the step (e.g. "
+    "nnx.state((model, optimizer)), then nnx.update after the call).")
+
+
+def _warn_if_empty(compiled: Any, rep: Report) -> None:
+  """Warns where a compiled program has no outputs, or nothing to report at all."""
+  out_tree = getattr(compiled, "out_tree", None)
+  memory = rep.memory
+  if out_tree is not None and out_tree.num_leaves == 0:
+    what = "returns nothing (no outputs)"
+  elif not rep.collectives and memory is not None and not (
+      memory.temp_bytes or memory.argument_bytes or memory.output_bytes):
+    what = "has no collectives and no memory (no arguments, outputs or temporaries)"
+  else:
+    return
+  warnings.warn(EMPTY_MESSAGE.format(what=what), UserWarning, stacklevel=3)
 
 
 def _memory_of(compiled: Any) -> Memory | None:

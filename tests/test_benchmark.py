@@ -130,6 +130,21 @@ def test_plan_study_run(tmp_path):
   assert table[-1]["peak_bytes"] <= result["budget_bytes"] == 4 * 2**20
 
 
+@pytest.mark.slow
+def test_crossstep_memory_study_quick_run(tmp_path):
+  """run.py --study crossstep-memory --quick: every case compiled for both methods, and
+  fxaccum's donated peaks at most MultiSteps' (tests/test_crossstep_memory.py has the
+  bounds)."""
+  out = tmp_path / "crossstep_memory.json"
+  run_script("benchmarks/run.py", "--study", "crossstep-memory", "--quick", "--rows", "8",
+             "--out", str(out), env={"PYTHONPATH": str(ROOT)})
+  results = json.loads(out.read_text())["results"]
+  assert set(results) == {"NNX, no donation", "NNX, donated", "linen TrainState, donated"}
+  for case, methods in results.items():
+    if "donated" in case:
+      assert methods["fxaccum"]["peak"] <= methods["MultiSteps"]["peak"], results
+
+
 def test_coverage_study_quick_run():
   """run.py --study coverage --quick: the counts add up, every primitive it says has a
   rule is in the analysis's registry, and every one in its table is not."""

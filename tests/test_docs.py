@@ -199,8 +199,20 @@ def check_equal_pair(out):
   assert abs(a - b) <= 1e-5 * abs(b), out
 
 
+def check_migrating(out):
+  """docs/migrating.md's table: fxaccum exact, the notebooks' jax.jit step untrained and
+  microbatch's summed gradient 3 times the gradient (relative error 2)."""
+  errors = {line[:28].strip(): line[28:].split(",")[0] for line in out.splitlines()}
+  assert float(errors["MultiSteps"]) < 1e-5 and float(errors["accumulate"]) < 1e-5, out
+  assert float(errors["fxaccum.grad"]) < 1e-5, out
+  assert abs(float(errors["microbatch(jax.grad) (SUM)"]) - 2) < 1e-3, out
+  assert abs(float(errors["hand-written accumulator"]) - 2) < 1e-3, out
+  assert out.splitlines()[2].endswith("trained nothing: True"), out
+
+
 # What a snippet prints that its page claims, checked beyond "it runs".
 CHECKS = {
+    "docs/migrating.md[0]": check_migrating,
     "docs/quickstart.md[0]": check_quickstart_instep,
     "docs/quickstart.md[1]": check_calls,
     "docs/nnx.md[0]": check_nnx_instep,

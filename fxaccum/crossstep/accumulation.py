@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fxaccum import meshes, options, reductions, split
-from fxaccum.markers import all_finite, safe_divide
+from fxaccum.markers import all_finite
 
 __all__ = ["AccumulateState", "accumulate", "apply_gradients", "is_boundary"]
 
@@ -54,8 +54,11 @@ class AccumulateState(NamedTuple):
     accumulator: the window's weighted gradient sum ``sum_i weight_i * grad_i``, with the
       params' tree structure, dtype ``accumulator_dtype`` and the params' sharding. With
       ``data_axes``, every leaf has a leading axis of one partial sum per data-parallel
-      device (sharded over those axes, so one gradient copy per device).
-    weight: float32, the window's summed weight (per device with ``data_axes``).
+      device (sharded over those axes, so one gradient copy per device). Right after an
+      optimizer step (``micro_step`` 0) it still holds the finished window's sum, which
+      the next call replaces: the step writes no params-sized tree of zeros.
+    weight: float32, the window's summed weight (per device with ``data_axes``); after a
+      step, the finished window's, like ``accumulator``.
     skipped: int32, calls dropped for non-finite gradients (``skip_nonfinite``), in total.
     calls: int32, gate calls so far, every one (skipped ones too): a micro-step counter
       that never repeats, e.g. for a per-call PRNG key ``jax.random.fold_in(key, calls)``
@@ -139,7 +142,8 @@ def accumulate(
   :func:`fxaccum.apply_gradients`. On the first ``every_k - 1`` calls of a window only
   this state changes; on the last call the whole chain runs once on the window's mean
   gradient ``sum_i weight_i * grad_i / sum_i weight_i`` (0 if the summed weight is 0),
-  the params are updated and the accumulator resets. Wherever it sits in the chain, the
+  the params are updated and the next call starts a new window from zero (the state keeps
+  the finished window's sums until then). Wherever it sits in the chain, the
   gate accumulates the raw gradients, so every element of the chain sees only the mean.
 
   Args:
@@ -371,38 +375,23 @@ def gate(
   untouched, as a dynamic loss scale skips a step).
   """
   config = probe_config(tx, opt_state, params, extra_args)
-  state = find_state(opt_state)
-  state = _add(config, state, grads, weight, params)
-  boundary = state.micro_step >= config.window(state.optimizer_step)
-  grad_dtypes = jax.tree.map(lambda p: jnp.result_type(p), params)
-
-  def step(operands):
-    params, opt_state, state = operands
-    total, weight = state.accumulator, state.weight
-    if config.data_axes:  # the one all-reduce of deferred sync, inside this branch
-      total, weight = reductions.sum_deferred((total, weight), config.data_axes)
-    mean = jax.tree.map(lambda t, d: t.astype(d), safe_divide(total, weight), grad_dtypes)
-    reset = state._replace(
-        micro_step=jnp.zeros_like(state.micro_step),
-        optimizer_step=state.optimizer_step + 1,
-        accumulator=jax.tree.map(jnp.zeros_like, state.accumulator),
-        weight=jnp.zeros_like(state.weight),
-    )
-    reset_state = _replace_state(opt_state, reset)
-    with _gate_session():
-      updates, new_opt_state = tx.update(mean, reset_state, params, **extra_args)
-    new_params = optax.apply_updates(params, updates)
-    if not check_finite:
-      return new_params, new_opt_state, jnp.array(True)
-    finite = all_finite(mean)
-    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
-    return keep(new_params, params), keep(new_opt_state, reset_state), finite
+  before = find_state(opt_state)
+  state = _add(config, before, grads, weight, params)
+  boundary = state.micro_step >= config.window(before.optimizer_step)
+  # Only the params and the rest of the chain go through the cond; the accumulator and
+  # the weight go in as operands and never come out (a cond's results get buffers of their
+  # own, which XLA does not share with the step's temporaries, and a held copy of a
+  # params-sized tree would be one more). They stay readable after the step: the next
+  # call starts a new window from zero (_add), so nothing params-sized is zeroed here.
+  chain = _replace_state(opt_state, _hollow(state))
+  step = functools.partial(_step, tx, config, check_finite, extra_args,
+                           jax.tree.map(jnp.result_type, params))
 
   def hold(operands):
-    params, opt_state, state = operands
-    return params, _replace_state(opt_state, state), jnp.array(True)
+    params, chain, _, _ = operands
+    return params, chain, jnp.array(True)
 
-  operands = (params, opt_state, state)
+  operands = (params, chain, state.accumulator, state.weight)
   # lax.cond needs identical branch types: cast the held state like the stepped one
   # (e.g. bf16 params with float32 optimizer moments).
   stepped = jax.eval_shape(step, operands)
@@ -411,8 +400,45 @@ def gate(
     return jax.tree.map(lambda x, s: lax.convert_element_type(x, s.dtype), hold(operands),
                         stepped)
 
-  params, opt_state, finite = lax.cond(boundary, step, hold_like_step, operands)
-  return params, opt_state, boundary, finite
+  params, chain, finite = lax.cond(boundary, step, hold_like_step, operands)
+  state = state._replace(
+      micro_step=jnp.where(boundary, jnp.zeros_like(state.micro_step), state.micro_step),
+      optimizer_step=state.optimizer_step + boundary.astype(state.optimizer_step.dtype))
+  return params, _replace_state(chain, state), boundary, finite
+
+
+def _hollow(state: AccumulateState) -> AccumulateState:
+  """``state`` without its params-sized accumulator, for the chain inside the gate's cond
+  (``accumulate``'s own update passes its state through)."""
+  return state._replace(accumulator=())
+
+
+def _step(tx, config: _Config, check_finite: bool, extra_args: dict[str, Any], grad_dtypes: Any,
+          operands: Any) -> tuple[Any, Any, jax.Array]:
+  """The gate's boundary branch: the chain once on the window's mean gradient."""
+  params, chain, total, weight = operands
+  if config.data_axes:  # the one all-reduce of deferred sync, inside this branch
+    total, weight = reductions.sum_deferred((total, weight), config.data_axes)
+  mean = jax.tree.map(lambda t, d: _times_reciprocal(t, weight).astype(d), total, grad_dtypes)
+  with _gate_session():
+    updates, new_chain = tx.update(mean, chain, params, **extra_args)
+  new_params = optax.apply_updates(params, updates)
+  if not check_finite:
+    return new_params, new_chain, jnp.array(True)
+  finite = all_finite(mean)
+  keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+  return keep(new_params, params), keep(new_chain, chain), finite
+
+
+def _times_reciprocal(total: jax.Array, weight: jax.Array) -> jax.Array:
+  """``total / weight`` in at least float32, 0 where ``weight`` is 0, as a product with the
+  reciprocal: XLA fuses a product into each of the chain's uses of the mean gradient, but
+  writes a quotient (an expensive op to repeat) to a params-sized temporary."""
+  dtype = jnp.promote_types(total.dtype, jnp.float32)
+  weight = weight.astype(dtype)
+  nonzero = weight != 0
+  scale = jnp.where(nonzero, 1 / jnp.where(nonzero, weight, 1), 0)
+  return total.astype(dtype) * scale
 
 
 def probe_config(tx, opt_state, params, extra_args) -> _Config:
@@ -460,6 +486,14 @@ def _add(config: _Config, state: AccumulateState, grads: Any, weight: Any,
     weight = jnp.float32(1) if weight is None else _check_weight(weight)
     total = grads
   _check_grads(total, params, unreduced)
+
+  # A window's first call starts from zero: the previous window's sums stay in the state
+  # after its step (the gate does not write a params-sized tree of zeros).
+  fresh = state.micro_step == 0
+  state = state._replace(
+      accumulator=jax.tree.map(lambda a: jnp.where(fresh, jnp.zeros_like(a), a),
+                               state.accumulator),
+      weight=jnp.where(fresh, jnp.zeros_like(state.weight), state.weight))
 
   def contribution(g):
     g = g.astype(config.accumulator_dtype)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from fxaccum import meshes, reductions, split
 from fxaccum import options as options_lib
 from fxaccum.instep import fsdp as fsdp_lib
-from fxaccum.instep import paths
+from fxaccum.instep import keys, paths
 from fxaccum.instep.call import Config, Threaded, is_array
 from fxaccum.instep.views import run_call
 from fxaccum.split import MicroBatchSize
@@ -422,6 +422,7 @@ def _call(config: Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> 
   if modules is not None:
     nnx_lib.check_decode_caches(module_args, rows // config.micro_batches,
                                 config.micro_batches)
+  keys.warn_shared_keys(config, module_args, kwargs, modules.positions if modules else ())
   if not config.reduce and any(layout.param_dims):
     raise ValueError(
         "fxaccum.value_and_unreduced_grad keeps one full gradient per device, so it needs "

@@ -26,9 +26,15 @@ from typing import Literal
 
 from fxaccum import analysis as analysis_lib
 
-__all__ = ["Path", "View", "amend", "classify", "entry", "record", "recorded"]
+__all__ = ["ONE_DEVICE", "Path", "View", "amend", "classify", "entry", "record", "recorded"]
 
 View = Literal["auto", "global", "device"]
+
+# The reason on a mesh whose data axes hold one device, for either view: true for every
+# loss there (the analysis reads one size only, so how values scale is not known).
+ONE_DEVICE = ("one data-parallel device: its rows are the global micro-batch, so the device "
+              "and global views run the loss on the same rows (nothing is added up over "
+              "devices)")
 
 
 @dataclasses.dataclass(frozen=True)

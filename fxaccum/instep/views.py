@@ -202,11 +202,13 @@ def _decide(config: Config, layout: meshes.Layout, call: Call) -> _Decision:
       if config.view == "global":
         return _Decision(paths.Path("global", "view='global'", axes), reducible)
       found, what = paths.classify(analysis.outputs, roles, summed=call.kinds[-1] == "sum")
+      # One device: how values scale is not read (no second size), and nothing differs.
+      one = layout.data_devices == 1
       if not blockers and found is None:
         return _Decision(paths.Path(
-            "device", f"the loss is a {what} of per-example terms", axes), reducible, aux,
-            gather_lib.per_layer(jaxpr, layout.param_dims))
-      problem = problem or (blockers[0] if blockers else found)
+            "device", paths.ONE_DEVICE if one else f"the loss is a {what} of per-example terms",
+            axes), reducible, aux, gather_lib.per_layer(jaxpr, layout.param_dims))
+      problem = problem or (blockers[0] if blockers else paths.ONE_DEVICE if one else found)
       if blockers:  # no other trace removes a blocker
         break
   except NameError as err:  # a collective over an axis that only the device view binds
