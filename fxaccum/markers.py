@@ -15,8 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Concat", "Max", "Min", "State", "Sum", "Weighted", "all_finite", "highest", "lowest",
-           "safe_divide", "weight_dtype"]
+from fxaccum.statistics import Statistics
+
+__all__ = ["Concat", "Max", "Min", "State", "Sum", "Weighted", "all_finite", "highest",
+           "is_marker", "lowest", "safe_divide", "weight_dtype"]
 
 
 @jax.tree_util.register_dataclass
@@ -252,3 +254,10 @@ def safe_divide(numerator: Any, denominator: Any) -> Any:
     return jnp.where(nonzero, leaf.astype(dtype) / safe, 0)
 
   return jax.tree.map(divide, numerator)
+
+
+def is_marker(x: Any) -> bool:
+  """Whether ``x`` is one of the kinds a loss marks its outputs with (``Weighted``,
+  ``Sum``, ``Max``, ``Min``, ``Concat``, ``State``, ``Statistics``): a leaf of the aux
+  tree as fxaccum reads it."""
+  return isinstance(x, (Weighted, Sum, Max, Min, Concat, State, Statistics))

@@ -40,8 +40,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
-    "CONVENTIONAL_DATA_AXES", "DataDims", "Layout", "as_data_axes", "conform", "find_mesh",
-    "known_spec", "missing_axes",
+    "CONVENTIONAL_DATA_AXES", "DataDims", "Layout", "as_data_axes", "axes_of_type", "conform",
+    "explicit", "find_mesh", "known_spec", "missing_axes",
     "layout_of", "linen_rules_without_manual_axes", "shard_map_keeping_axes", "spec_axes",
     "spec_entry", "tracks_varying", "vary", "varying_axes",
 ]
@@ -111,13 +111,20 @@ def _named_sharding(leaf: Any) -> tuple[NamedSharding | None, bool]:
   return None, False
 
 
+def axes_of_type(mesh: Any, axis_type: AxisType) -> set[str]:
+  """The axes of ``mesh`` of type ``axis_type`` (``Explicit``, ``Manual``, ``Auto``)."""
+  return {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == axis_type}
+
+
+def explicit(mesh: Any, axes: Sequence[str]) -> bool:
+  """Whether ``axes`` are some axes of ``mesh``, all of them ``Explicit``."""
+  return bool(axes) and set(axes) <= axes_of_type(mesh, AxisType.Explicit)
+
+
 def _known_axes(sharding: NamedSharding, concrete: bool) -> set[str]:
   """Mesh axes whose sharding the spec really describes."""
   mesh = sharding.mesh
-  if concrete:
-    return set(mesh.axis_names)
-  types = zip(mesh.axis_names, mesh.axis_types, strict=True)
-  return {a for a, t in types if t == AxisType.Explicit}
+  return set(mesh.axis_names) if concrete else axes_of_type(mesh, AxisType.Explicit)
 
 
 def known_spec(leaf: Any) -> tuple[Any, ...]:
@@ -201,7 +208,7 @@ def _batch_varying(batch_leaves: Sequence[Any]) -> set[str]:
 
 
 def _manual_axes(mesh: Any) -> set[str]:
-  return {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Manual}
+  return axes_of_type(mesh, AxisType.Manual)
 
 
 def as_data_axes(data_axes: Any, who: str = "data_axes") -> tuple[str, ...] | None:
@@ -398,9 +405,7 @@ def conform(x: Any, spec: P, data_axes: tuple[str, ...]) -> Any:
   mesh = sharding.mesh if sharding is not None else jax.sharding.get_abstract_mesh()
   if not mesh.axis_names:
     return x
-  explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-              if t == AxisType.Explicit}
-  if not explicit & set(data_axes):
+  if not axes_of_type(mesh, AxisType.Explicit) & set(data_axes):
     return x
   ndim = len(jax.typeof(x).shape)
   have = sharding.spec if sharding is not None else P()
@@ -496,12 +501,12 @@ def shard_map_keeping_axes(body: Callable[..., Any], *, mesh: Any, in_specs: Any
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          axis_names=axis_names, check_vma=check_vma)
   auto = {a: AxisType.Auto for a in kept}
-  explicit = {a: AxisType.Explicit for a in kept}
+  kept_types = {a: AxisType.Explicit for a in kept}
   seen: dict[str, Any] = {}
 
   def inner(*args):
     with jax.sharding.use_abstract_mesh(
-        jax.sharding.get_abstract_mesh().update_axis_types(explicit)):
+        jax.sharding.get_abstract_mesh().update_axis_types(kept_types)):
       args = jax.sharding.reshard(args, seen["in"])
       out = body(*args)
       seen["out"] = jax.tree.map(_entries, out)

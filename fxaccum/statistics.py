@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-__all__ = ["NoiseScale", "NoiseScaleEMA", "Statistics", "unavailable_noise_scale"]
+__all__ = ["NOISE_TERMS", "NoiseScale", "NoiseScaleEMA", "Statistics", "noise_scale_of",
+           "noise_terms", "sq_norm", "unavailable_noise_scale"]
 
 
 def _grad_sq(small_sq, big_sq, small_batch, big_batch):
@@ -200,3 +201,32 @@ def unavailable_noise_scale() -> NoiseScale:
   """A :class:`fxaccum.NoiseScale` whose estimates are NaN (no estimate for this step)."""
   nan = jnp.float32(jnp.nan)
   return NoiseScale(nan, nan, nan, nan)
+
+
+# Per small batch i (a micro-batch, per device in the per-device view) of loss weight w_i,
+# size b_i and gradient sum g_i (so g_i / w_i is its mean loss's gradient), summed over
+# the small batches of nonzero weight.
+NOISE_TERMS = ("|g_i / w_i|^2", "count", "1 / b_i", "b_i")
+
+
+def noise_terms(sq_norm: jax.Array, weight: jax.Array, rows_per_weight: int) -> jax.Array:
+  """One small batch's :data:`NOISE_TERMS`, its size its weight times ``rows_per_weight``."""
+  w = weight.astype(jnp.float32)
+  taken = w != 0  # skipped and all-padding micro-batches are left out
+  safe = jnp.where(taken, w, 1)
+  size = safe * rows_per_weight
+  return jnp.where(taken, jnp.stack([sq_norm / safe**2, 1.0, 1 / size, size]), 0.0)
+
+
+def sq_norm(tree: Any) -> jax.Array:
+  """The squared norm of every leaf of ``tree`` together, in float32."""
+  return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)),
+             jnp.float32(0))
+
+
+def noise_scale_of(terms: jax.Array, grads: Any) -> NoiseScale:
+  """The step's :class:`fxaccum.NoiseScale` from its small batches' summed
+  :data:`NOISE_TERMS` and its gradient."""
+  sq_sum, count, inverse_sum, size_sum = terms
+  return NoiseScale(small_sq_norm=sq_sum / count, big_sq_norm=sq_norm(grads),
+                    small_batch=count / inverse_sum, big_batch=size_sum)

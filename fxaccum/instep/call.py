@@ -5,25 +5,23 @@ arguments, and the loss run on one micro-batch (what it returned: a mean, ``Weig
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType
 
 from fxaccum import markers, meshes, split
 from fxaccum.instep import fsdp as fsdp_lib
 from fxaccum.instep import paths
-from fxaccum.markers import weight_dtype
-from fxaccum.statistics import Statistics
+from fxaccum.markers import is_marker, weight_dtype
 
 if TYPE_CHECKING:
   from fxaccum.integrations import nnx_modules
 
-__all__ = ["Call", "Config", "LossKind", "Threaded", "explicit", "is_array", "is_marker",
-           "micro_batch_avals", "micro_loss"]
+__all__ = ["Call", "Config", "LossKind", "Threaded", "is_array", "micro_batch_avals",
+           "micro_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,11 +200,6 @@ def _total_and_weight(loss: Any) -> tuple[jax.Array, jax.Array, LossKind]:
   return value, jnp.ones((), jnp.int32), kind
 
 
-def explicit(mesh: Any, axes: Sequence[str]) -> bool:
-  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  return bool(axes) and all(types[a] == AxisType.Explicit for a in axes)
-
-
 def micro_batch_avals(config: Config, call: Call) -> Any:
   """The abstract micro-batch (``{batch argnum: tree}``) that ``fun`` receives."""
   return jax.eval_shape(lambda b: split.micro_batch(b, 0, config.micro_batches),
@@ -224,8 +217,3 @@ def micro_loss(config: Config, call: Call) -> Callable[..., Any]:
     total, weight, aux, state, sown = call.loss(config, full, micro, index, state)
     return total, (weight, aux, state, sown)
   return micro_loss
-
-
-def is_marker(x: Any) -> bool:
-  return isinstance(x, (markers.Weighted, markers.Sum, markers.Max, markers.Min,
-                        markers.Concat, markers.State, Statistics))

@@ -20,7 +20,7 @@ from fxaccum import analysis as analysis_lib
 from fxaccum import meshes, reductions, split
 from fxaccum.instep import accumulators as acc
 from fxaccum.instep import gather as gather_lib
-from fxaccum.instep.call import Call, Config, LossKind, is_marker, micro_batch_avals, micro_loss
+from fxaccum.instep.call import Call, Config, LossKind, micro_batch_avals, micro_loss
 from fxaccum.markers import (
   Concat,
   Max,
@@ -28,15 +28,16 @@ from fxaccum.markers import (
   State,
   all_finite,
   highest,
+  is_marker,
   lowest,
   safe_divide,
 )
-from fxaccum.statistics import Statistics
+from fxaccum.statistics import NOISE_TERMS, Statistics, noise_terms, sq_norm
 
 if TYPE_CHECKING:
   pass
 
-__all__ = ["NOISE_TERMS", "loop", "sq_norm"]
+__all__ = ["loop"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -236,7 +237,7 @@ def _loop_body(config: Config, traced_step: Callable[..., Any], out_def: Any, su
       values, state = _drop_unless(good, values, state, old_state)
       loss_weight = values[2]
     if sums.noise:  # after the skip: a skipped micro-batch weighs 0
-      values.append(_noise_terms(micro_sq_norm, loss_weight, sums.rows_per_weight))
+      values.append(noise_terms(micro_sq_norm, loss_weight, sums.rows_per_weight))
     threaded = iter(state[1])  # a State aux is the threaded value the loop carries on
     values[3] = [State(next(threaded)) if isinstance(m, State) else m for m in values[3]]
     carry = (accumulator.update(sums_carry, values, index, loss_weight), state)
@@ -259,27 +260,6 @@ def _written_params(written: tuple[Any, ...], whole: list[Any],
         "gathered per device: fxaccum cannot thread a written shard. Replicate that "
         "param over the data axes, or call fxaccum outside your shard_map.")
   return tuple(None if w is None else x for x, w in zip(whole, written, strict=True))
-
-
-# Per small batch i (a micro-batch, per device in the per-device view) of loss weight w_i,
-# size b_i and gradient sum g_i (so g_i / w_i is its mean loss's gradient), summed over
-# the small batches of nonzero weight.
-NOISE_TERMS = ("|g_i / w_i|^2", "count", "1 / b_i", "b_i")
-
-
-def _noise_terms(sq_norm: jax.Array, weight: jax.Array, rows_per_weight: int) -> jax.Array:
-  """One small batch's :data:`NOISE_TERMS`, its size its weight times ``rows_per_weight``."""
-  w = weight.astype(jnp.float32)
-  taken = w != 0  # skipped and all-padding micro-batches are left out
-  safe = jnp.where(taken, w, 1)
-  size = safe * rows_per_weight
-  return jnp.where(taken, jnp.stack([sq_norm / safe**2, 1.0, 1 / size, size]), 0.0)
-
-
-def sq_norm(tree: Any) -> jax.Array:
-  """The squared norm of every leaf of ``tree`` together, in float32."""
-  return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)),
-             jnp.float32(0))
 
 
 def _summed_over(closed: jax.extend.core.ClosedJaxpr, axes: tuple[str, ...], batch: Any,

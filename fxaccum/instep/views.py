@@ -28,18 +28,10 @@ from fxaccum.instep import accumulators as acc
 from fxaccum.instep import fsdp as fsdp_lib
 from fxaccum.instep import gather as gather_lib
 from fxaccum.instep import paths
-from fxaccum.instep.call import (
-  Call,
-  Config,
-  explicit,
-  is_array,
-  is_marker,
-  micro_batch_avals,
-  micro_loss,
-)
-from fxaccum.instep.loop import loop, sq_norm
-from fxaccum.markers import safe_divide
-from fxaccum.statistics import NoiseScale, Statistics, unavailable_noise_scale
+from fxaccum.instep.call import Call, Config, is_array, micro_batch_avals, micro_loss
+from fxaccum.instep.loop import loop
+from fxaccum.markers import is_marker, safe_divide
+from fxaccum.statistics import Statistics, noise_scale_of, unavailable_noise_scale
 
 if TYPE_CHECKING:
   from fxaccum.integrations import nnx_modules
@@ -97,19 +89,11 @@ def _with_statistics(aux: Any, stats: tuple[jax.Array, jax.Array | None], grads:
   ``stats`` is the loop's skipped count and summed :data:`NOISE_TERMS` (None: no noise
   scale for this step)."""
   skipped, terms = stats
-  noise = (_noise_scale(terms, grads) if terms is not None and
+  noise = (noise_scale_of(terms, grads) if terms is not None and
            not isinstance(grads, reductions.Unreduced) else unavailable_noise_scale())
   filled = Statistics(skipped=skipped, noise_scale=noise)
   return jax.tree.map(lambda m: filled if isinstance(m, Statistics) else m, aux,
                       is_leaf=is_marker)
-
-
-def _noise_scale(terms: jax.Array, grads: Any) -> NoiseScale:
-  """The step's :class:`fxaccum.NoiseScale` from its small batches' summed
-  :data:`NOISE_TERMS` and its gradient."""
-  sq_sum, count, inverse_sum, size_sum = terms
-  return NoiseScale(small_sq_norm=sq_sum / count, big_sq_norm=sq_norm(grads),
-                    small_batch=count / inverse_sum, big_batch=size_sum)
 
 
 def _warn_gathered_by_the_compiler(config: Config, layout: meshes.Layout,
@@ -169,7 +153,7 @@ class _Decision(NamedTuple):
 def _decide(config: Config, layout: meshes.Layout, call: Call) -> _Decision:
   """The view for this call (see :class:`_Decision`)."""
   axes = layout.data_axes
-  on_explicit = explicit(layout.mesh, axes)
+  on_explicit = meshes.explicit(layout.mesh, axes)
   if config.view == "global" and not on_explicit:
     return _Decision(paths.Path("global", "view='global'", axes))
   problem: str | None = None
@@ -583,7 +567,7 @@ def _zero3_blocker(leaves: Sequence[Any], layout: meshes.Layout) -> str | None:
   for i, (leaf, dims) in enumerate(zip(leaves, layout.param_dims, strict=True)):
     other = {a for entry in jax.typeof(leaf).sharding.spec for a in meshes.spec_axes(entry)}
     other -= set(layout.data_axes)
-    if dims and explicit(layout.mesh, sorted(other)):
+    if dims and meshes.explicit(layout.mesh, sorted(other)):
       return (f"param leaf {i} is sharded over the Explicit axes {sorted(other)} too, and "
               f"JAX {jax.__version__} fails to differentiate its gather inside the loop")
   return None
@@ -617,7 +601,7 @@ def _global_loop(config: Config, layout: meshes.Layout, path: paths.Path,
   def constrain(i: int, x: jax.Array) -> jax.Array:
     # Auto meshes: keep accumulators and gradients sharded like the params (FSDP).
     hint = hints[i]
-    if reduced[i] or hint is None or layout.mesh is None or explicit(layout.mesh, axes):
+    if reduced[i] or hint is None or layout.mesh is None or meshes.explicit(layout.mesh, axes):
       return x
     return lax.with_sharding_constraint(x, NamedSharding(layout.mesh, hint))
 
