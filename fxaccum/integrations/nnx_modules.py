@@ -129,7 +129,6 @@ class Modules:
     if jax.tree.leaves(sown):
       nnx.update(nodes, _appended(sown_before, sown))
 
-
   def write(self, args: Sequence[Any], diff_argnums: Sequence[int],
             values: Sequence[Any]) -> None:
     """Writes ``values`` (the differentiated arguments, in ``diff_argnums`` order, as the
