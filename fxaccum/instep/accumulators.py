@@ -8,17 +8,21 @@ weight is ``weight``; after the loop ``finalize(carry, weight)`` gives the resul
 
 Inside the per-device view's ``shard_map`` a carry varies over the manual axes its values
 vary over, and ``finalize`` reduces it over them: that is the one data-axis reduction.
+Both views' gradient sums are here too: :func:`local_gradients` (per device, reduced once
+after the loop) and :func:`global_gradients` (on the global micro-batch, ``unreduced``
+where the params are typed ``reduced``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from fxaccum import meshes, reductions
 from fxaccum.markers import (
@@ -160,3 +164,66 @@ def combined(accumulators: list[Accumulator]) -> Accumulator:
     return [acc.finalize(c, weight) for acc, c in zip(accumulators, carry, strict=True)]
 
   return Accumulator(lambda: [acc.init() for acc in accumulators], update, finalize)
+
+
+def local_gradients(leaves: Sequence[Any], whole: Sequence[Any],
+                    param_dims: Sequence[meshes.DataDims],
+                    gather_in_loop: Sequence[meshes.DataDims], axes: tuple[str, ...], dtype: Any, *,
+                    reduced: bool) -> Accumulator:
+  """The per-device view's gradient sums: each device's, in ``dtype``, over the leaves
+  ``whole`` it holds; after the loop reduced over ``axes`` in buckets (leaves gathered in
+  the loop, ``gather_in_loop``, were reduce-scattered each micro-batch already) and
+  divided by the loss weight, in the dtypes of ``leaves``. Without ``reduced`` (deferred
+  sync) the local sums themselves."""
+
+  def finalize(sums, weight):
+    if not reduced:  # deferred: packaged by the caller, with this device's weight
+      return sums
+    plans = []
+    for dims, loop_dims in zip(param_dims, gather_in_loop, strict=True):
+      # In-loop gathers already reduce-scattered over their axes each micro-batch.
+      scattered = {a for _, dim_axes in (loop_dims or dims) for a in dim_axes}
+      plans.append(((() if loop_dims else dims), tuple(a for a in axes if a not in scattered)))
+    means = safe_divide(reductions.reduce_leaves(sums, plans, reductions.BUCKET_BYTES), weight)
+    return [mean.astype(jnp.result_type(leaf))
+            for mean, leaf in zip(means, leaves, strict=True)]
+
+  return Accumulator(
+      lambda: [meshes.vary(jnp.zeros_like(leaf, dtype), axes) for leaf in whole],
+      lambda sums, grads, index, weight: [
+          total + g.astype(total.dtype) for total, g in zip(sums, grads, strict=True)],
+      finalize)
+
+
+def global_gradients(leaves: Sequence[Any], specs: Sequence[Any],
+                     reduced: Sequence[frozenset[str]], hints: Sequence[Any] | None, dtype: Any, *,
+                     reduced_result: bool) -> Accumulator:
+  """The global view's gradient sums, in ``dtype``: a leaf with ``reduced`` axes (typed
+  ``reduced`` on an Explicit mesh) is summed ``unreduced`` over them and resharded once
+  after the loop; the others are constrained to ``hints`` (their params' NamedSharding on
+  an Auto mesh; None: nothing to constrain). After the loop the sums divided by the loss
+  weight, in the dtypes of ``leaves``; without ``reduced_result``, the resharded sums."""
+
+  def constrain(i: int, x: jax.Array) -> jax.Array:
+    if reduced[i] or hints is None or hints[i] is None:
+      return x
+    return lax.with_sharding_constraint(x, hints[i])
+
+  def init():
+    return [jnp.zeros(jnp.shape(leaf), dtype, out_sharding=P(*spec, unreduced=r))
+            if r else constrain(i, jnp.zeros_like(leaf, dtype))
+            for i, (leaf, spec, r) in enumerate(zip(leaves, specs, reduced, strict=True))]
+
+  def update(sums, grads, index, weight):
+    return [constrain(i, total + g.astype(total.dtype))
+            for i, (total, g) in enumerate(zip(sums, grads, strict=True))]
+
+  def finalize(sums, weight):
+    sums = [jax.sharding.reshard(total, P(*spec)) if r else total
+            for total, spec, r in zip(sums, specs, reduced, strict=True)]
+    if not reduced_result:
+      return sums
+    return [constrain(i, mean.astype(jnp.result_type(leaf))) for i, (mean, leaf) in
+            enumerate(zip(safe_divide(sums, weight), leaves, strict=True))]
+
+  return Accumulator(init, update, finalize)

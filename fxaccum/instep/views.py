@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -30,7 +29,7 @@ from fxaccum.instep import gather as gather_lib
 from fxaccum.instep import paths
 from fxaccum.instep.call import Call, Config, is_array, micro_batch_avals, micro_loss
 from fxaccum.instep.loop import loop
-from fxaccum.markers import is_marker, safe_divide
+from fxaccum.markers import is_marker
 from fxaccum.statistics import Statistics, noise_scale_of, unavailable_noise_scale
 
 if TYPE_CHECKING:
@@ -506,23 +505,8 @@ def _device_loop(config: Config, layout: meshes.Layout, call: Call, presummed: b
   whole = meshes.vary([reductions.gather(leaf, dims) for leaf, dims in zip(
       call.diff_leaves, layout.param_dims, strict=True)], axes) if per_step else shards
 
-  def finalize(sums, weight):
-    if not config.reduce:  # deferred: packaged below, with this device's weight
-      return sums
-    plans = []
-    for dims, loop_dims in zip(layout.param_dims, gather_in_loop, strict=True):
-      # In-loop gathers already reduce-scattered over their axes each micro-batch.
-      scattered = {a for _, dim_axes in (loop_dims or dims) for a in dim_axes}
-      plans.append(((() if loop_dims else dims), tuple(a for a in axes if a not in scattered)))
-    means = safe_divide(reductions.reduce_leaves(sums, plans, reductions.BUCKET_BYTES), weight)
-    return [mean.astype(jnp.result_type(leaf))
-            for mean, leaf in zip(means, call.diff_leaves, strict=True)]
-
-  sums = acc.Accumulator(
-      lambda: [meshes.vary(jnp.zeros_like(leaf, config.accumulator_dtype), axes) for leaf in whole],
-      lambda sums, grads, index, weight: [
-          total + g.astype(total.dtype) for total, g in zip(sums, grads, strict=True)],
-      finalize)
+  sums = acc.local_gradients(call.diff_leaves, whole, layout.param_dims, gather_in_loop, axes,
+                             config.accumulator_dtype, reduced=config.reduce)
   value_aux, grads, local_weight, after = loop(
       config, call, axes, whole, gather_in_loop, sums, presummed, traced=traced)
   if not config.reduce:  # each device's sums, one slot per device
@@ -596,38 +580,24 @@ def _global_loop(config: Config, layout: meshes.Layout, path: paths.Path,
              else frozenset() for i, spec in enumerate(specs)]
   whole = [jax.sharding.reshard(leaf, P(*spec, reduced=r)) if r else leaf
            for leaf, spec, r in zip(call.diff_leaves, specs, reduced, strict=True)]
-  hints = layout.param_specs or (None,) * len(whole)
+  # Auto meshes: accumulators and gradients kept sharded like the params (FSDP).
+  hints = None if layout.mesh is None or meshes.explicit(layout.mesh, axes) else [
+      None if hint is None else NamedSharding(layout.mesh, hint)
+      for hint in layout.param_specs or (None,) * len(whole)]
+  sums = acc.global_gradients(call.diff_leaves, specs, reduced, hints,
+                              config.accumulator_dtype, reduced_result=config.reduce)
 
-  def constrain(i: int, x: jax.Array) -> jax.Array:
-    # Auto meshes: keep accumulators and gradients sharded like the params (FSDP).
-    hint = hints[i]
-    if reduced[i] or hint is None or layout.mesh is None or meshes.explicit(layout.mesh, axes):
-      return x
-    return lax.with_sharding_constraint(x, NamedSharding(layout.mesh, hint))
-
-  def init():
-    return [jnp.zeros(jnp.shape(leaf), config.accumulator_dtype, out_sharding=P(*spec, unreduced=r))
-            if r else constrain(i, jnp.zeros_like(leaf, config.accumulator_dtype))
-            for i, (leaf, spec, r) in enumerate(zip(call.diff_leaves, specs, reduced,
-                                                    strict=True))]
-
-  def update(sums, grads, index, weight):
-    return [constrain(i, total + g.astype(total.dtype))
-            for i, (total, g) in enumerate(zip(sums, grads, strict=True))]
-
-  def finalize(sums, weight):
-    sums = [jax.sharding.reshard(total, P(*spec)) if r else total
-            for total, spec, r in zip(sums, specs, reduced, strict=True)]
+  def finalize(sums_carry, weight):
+    grads = sums.finalize(sums_carry, weight)
     if not config.reduce:
-      return _as_unreduced(config, layout, call, sums, weight)
-    grads = [constrain(i, mean.astype(jnp.result_type(leaf))) for i, (mean, leaf) in
-             enumerate(zip(safe_divide(sums, weight), call.diff_leaves, strict=True))]
+      return _as_unreduced(config, layout, call, grads, weight)
     return jax.tree.unflatten(call.diff_def, grads)
 
   path = dataclasses.replace(path, reduced_leaves=sum(map(bool, reduced)), leaves=len(whole))
   with jax.named_scope(paths.record(path)):
     value_aux, grads, _, after = loop(config, call, (), whole, [()] * len(whole),
-                                       acc.Accumulator(init, update, finalize), direct=direct)
+                                       dataclasses.replace(sums, finalize=finalize),
+                                       direct=direct)
   return value_aux, grads, after
 
 
