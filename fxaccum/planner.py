@@ -242,7 +242,7 @@ def _compile(make_step: Callable[[int], Any], k: int, example_args: Sequence[Any
   start = time.perf_counter()
   try:
     step = make_step(k)
-  except Exception as err:
+  except Exception as err:  # noqa: BLE001 - the user's make_step: a note added, re-raised
     err.add_note(f"fxaccum.plan_micro_batches: raised by make_step({k}) (micro_batches={k}).")
     raise
   if not callable(getattr(step, "lower", None)):
@@ -253,7 +253,7 @@ def _compile(make_step: Callable[[int], Any], k: int, example_args: Sequence[Any
         "`return jax.jit(train_step, donate_argnums=(0, 1))`.")
   try:
     compiled = step.lower(*example_args).compile()
-  except Exception as err:
+  except Exception as err:  # noqa: BLE001 - the user's step: a note added, re-raised
     err.add_note(f"fxaccum.plan_micro_batches: raised while compiling make_step({k}) "
                  f"(micro_batches={k}) for the example arguments.")
     raise

@@ -167,7 +167,7 @@ def _watched(name: str, original: Callable[..., Any],
       return original(self, *args)
     try:
       result = original(self, *args)
-    except Exception:
+    except Exception:  # noqa: BLE001 - recorded as undecided, then re-raised as it was
       found.append(f"{_where(caller)}: {name} of {_text(self)} raised")
       raise
     _CHECKING.active = True

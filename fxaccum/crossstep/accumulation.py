@@ -461,6 +461,17 @@ def probe_config(tx, opt_state, params, extra_args) -> _Config:
   return found[0]
 
 
+def _fresh_window(state: AccumulateState) -> AccumulateState:
+  """``state`` with zero sums where a window starts (``micro_step`` 0): the previous
+  window's sums stay in the state after its step (the gate writes no params-sized tree of
+  zeros), and the window's first call starts from zero."""
+  fresh = state.micro_step == 0
+  return state._replace(
+      accumulator=jax.tree.map(lambda a: jnp.where(fresh, jnp.zeros_like(a), a),
+                               state.accumulator),
+      weight=jnp.where(fresh, jnp.zeros_like(state.weight), state.weight))
+
+
 def _add(config: _Config, state: AccumulateState, grads: Any, weight: Any,
          params: Any) -> AccumulateState:
   """The state after adding one call's gradient (no collective for deferred sync)."""
@@ -486,14 +497,7 @@ def _add(config: _Config, state: AccumulateState, grads: Any, weight: Any,
     weight = jnp.float32(1) if weight is None else _check_weight(weight)
     total = grads
   _check_grads(total, params, unreduced)
-
-  # A window's first call starts from zero: the previous window's sums stay in the state
-  # after its step (the gate does not write a params-sized tree of zeros).
-  fresh = state.micro_step == 0
-  state = state._replace(
-      accumulator=jax.tree.map(lambda a: jnp.where(fresh, jnp.zeros_like(a), a),
-                               state.accumulator),
-      weight=jnp.where(fresh, jnp.zeros_like(state.weight), state.weight))
+  state = _fresh_window(state)
 
   def contribution(g):
     g = g.astype(config.accumulator_dtype)

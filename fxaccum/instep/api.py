@@ -455,11 +455,16 @@ def _call(config: Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> 
   if modules is not None:  # as nnx.value_and_grad does: the modules' state, in place
     modules.update(module_args, state.modules, sown, new_sown)
     if state.params:  # the values the loss wrote into differentiated variables
-      written = [leaf if w is None else w for leaf, w in zip(
-          jax.tree.leaves(diff), state.params, strict=True)]
-      modules.write(module_args, config.diff_argnums,
-                    jax.tree.unflatten(jax.tree.structure(diff), written))
+      modules.write(module_args, config.diff_argnums, _written_values(diff, state.params))
   return out
+
+
+def _written_values(diff: list[Any], written: tuple[Any, ...]) -> Any:
+  """The differentiated arguments ``diff`` with the leaves the loss wrote (``written``,
+  None where it wrote none) replaced by what it wrote."""
+  leaves = [leaf if w is None else w for leaf, w in zip(
+      jax.tree.leaves(diff), written, strict=True)]
+  return jax.tree.unflatten(jax.tree.structure(diff), leaves)
 
 
 def _check_arity(config: Config, args: Sequence[Any]) -> None:
