@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-__all__ = ["eqns_within", "expansion", "held_jaxprs", "scan_counts", "subjaxprs"]
+__all__ = ["eqns_within", "expansion", "forwards", "held_jaxprs", "scan_counts", "subjaxprs"]
 
 _EXPANSIONS: dict[int, Any] = {}  # id(primitive object) -> the jaxpr of its expansion
 
@@ -84,3 +84,23 @@ def eqns_within(eqn: Any) -> Iterator[Any]:
     for sub in subjaxprs(value):
       for inner in sub.eqns:
         yield from eqns_within(inner)
+
+
+# Primitives whose output is their one operand's value, whatever its type or placement:
+# the varying casts of a per-device region and the gather of an FSDP shard.
+_SAME_VALUE = frozenset({"pvary", "pcast", "copy", "copy_p", "all_gather"})
+
+
+def forwards(jaxpr: Any, out: Any, to: Any) -> bool:
+  """Whether the jaxpr's output variable ``out`` is the input variable ``to`` itself, or
+  ``to`` passed through primitives that keep its value (a varying cast, an FSDP gather).
+  JAX forwards a value an inner call returns unchanged (``jax.checkpoint``, ``nnx.remat``)
+  to the call's input, so such a value reads as ``to`` too."""
+  producers = {v: (eqn, k) for eqn in jaxpr.eqns for k, v in enumerate(eqn.outvars)}
+  while out is not to:
+    eqn, k = producers.get(out, (None, 0))
+    if eqn is None or eqn.primitive.name not in _SAME_VALUE or (
+        len(eqn.invars) != len(eqn.outvars)):
+      return False
+    out = eqn.invars[k]
+  return True

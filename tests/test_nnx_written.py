@@ -157,3 +157,34 @@ def test_spectral_norm_discriminator_trains_like_nnx(k):
                for i in range(k)]
       apply(reference, ref_optimizer, jax.tree.map(lambda *g: sum(g) / k, *grads))
   assert_tree_close(everything(model), everything(reference))
+
+
+class Rematted(nnx.Module):
+  """A layer run under nnx.remat, which sets its params again to the values it was given."""
+
+  def __init__(self, layer: type | None, rngs: nnx.Rngs):
+    inner = nnx.Linear(DIM, WIDTH, rngs=rngs)
+    self.hidden = inner if layer is None else layer(inner, rngs=rngs)
+    self.out = nnx.Linear(WIDTH, 1, rngs=rngs)
+
+  def __call__(self, x):
+    hidden = nnx.remat(lambda layer, x: nnx.relu(layer(x)))(self.hidden, x)
+    return self.out(hidden)
+
+
+@pytest.mark.parametrize("layer", [None, nnx.WeightNorm])
+def test_a_param_set_again_to_what_it_read_is_no_write(layer):
+  """nnx.remat writes its params back unchanged: no written param (the per-device view,
+  as before), where a WeightNorm inside it still writes its kernel; both exact."""
+  batch, k = data(), 4
+  model, reference = Rematted(layer, nnx.Rngs(0)), Rematted(layer, nnx.Rngs(0))
+  want = sequential(reference, batch, k)
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  step = nnx.jit(fxaccum.value_and_grad(loss_fn, micro_batches=k))
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(batch, jax.P("data"))
+    (path,) = diagnostics.paths(step, nnx.clone(model), sharded)
+    got = step(model, sharded)
+  assert path.view == ("device" if layer is None else "global"), path
+  assert_tree_close(got, want)
+  assert_tree_close(everything(model), everything(reference))

@@ -17,7 +17,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from fxaccum import analysis as analysis_lib
-from fxaccum import meshes, reductions, split
+from fxaccum import jaxprs, meshes, reductions, split
 from fxaccum.instep import accumulators as acc
 from fxaccum.instep import gather as gather_lib
 from fxaccum.instep.call import Call, Config, LossKind, micro_batch_avals, micro_loss
@@ -85,7 +85,7 @@ def loop(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],
     raise _StatisticsPerDevice()
   _warn_batch_shaped(config, call, whole, gather_dims, sums.markers)
   init = (sums.accumulator.init(), call.state._replace(
-      params=_written_params(shapes[0][1][2].params, whole, gather_dims)))
+      params=_written_params(closed, shapes, whole, gather_dims)))
   body = _loop_body(config, jcore.jaxpr_as_fun(closed), jax.tree.structure(shapes), sums,
                     init, whole, gather_dims, axes, zero3=traced is not None)
   if config.micro_batches == 1:  # one micro-batch: no loop, the step as jax.value_and_grad
@@ -223,6 +223,11 @@ def _loop_body(config: Config, traced_step: Callable[..., Any], out_def: Any, su
         *jax.tree.leaves((read, index, old_state._replace(params=()))))]
     (loss_total, (loss_weight, aux_values, state, sown)), grad_values = jax.tree.unflatten(
         out_def, outs)
+    # Carried on: the params written another value (a value set again passes through).
+    state = state._replace(params=tuple(
+        None if carried is None else new
+        for new, carried in zip(state.params, old_state.params, strict=True)
+    ) if old_state.params else ())
     # This device's (or, global view, the micro-batch's) gradient, before any reduction.
     micro_sq_norm = sq_norm(grad_values) if sums.noise else 0.0
     if any(gather_dims) and not zero3:  # local gradients, reduce-scattered in buckets
@@ -246,12 +251,19 @@ def _loop_body(config: Config, traced_step: Callable[..., Any], out_def: Any, su
   return body
 
 
-def _written_params(written: tuple[Any, ...], whole: list[Any],
+def _written_params(closed: Any, shapes: Any, whole: list[Any],
                     gather_dims: Sequence[meshes.DataDims]) -> tuple[Any, ...]:
   """The loop's initial :attr:`~fxaccum.instep.call.Threaded.params`: the leaves the
-  traced micro-step wrote (``written``: their new values' avals, None where it wrote
-  none), as the loss reads them first."""
-  if not written:
+  micro-step traced as ``closed`` (its outputs ``shapes``) wrote another value into, as
+  the loss reads them first; None for the others, a leaf set again to the value it read
+  (``nnx.remat`` writes back what it was given) included; ``()`` where it wrote none."""
+  (total, (weight, aux, state, _)), _ = shapes
+  first = len(jax.tree.leaves((total, weight, aux, state.modules, state.arguments)))
+  outs = iter(closed.jaxpr.outvars[first:])
+  written = tuple(None if value is None or jaxprs.forwards(
+      closed.jaxpr, next(outs), closed.jaxpr.invars[i]) else value
+      for i, value in enumerate(state.params))
+  if not any(w is not None for w in written):
     return ()
   if any(w is not None and dims for w, dims in zip(written, gather_dims, strict=True)):
     raise ValueError(

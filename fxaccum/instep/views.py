@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fxaccum import analysis as analysis_lib
-from fxaccum import markers, meshes, reductions, split
+from fxaccum import jaxprs, markers, meshes, reductions, split
 from fxaccum.analysis import symbolic
 from fxaccum.instep import accumulators as acc
 from fxaccum.instep import fsdp as fsdp_lib
@@ -321,7 +321,12 @@ def _roles(closed: Any, aux: Any, state: Any, sown: Any, n_diff: int,
   state_out = closed.jaxpr.outvars[len(roles):len(roles) + carried]
   roles.extend("state" if v_out is v_in else "state_update"
                for v_in, v_out in zip(state_in, state_out, strict=True))
-  roles.extend(["param_update"] * len(jax.tree.leaves(state.params)))
+  # A param the loss set again to the value it read (nnx.remat, nnx.scan write back what
+  # they were given) passes through; one it wrote another value into is an update.
+  written = [i for i, value in enumerate(state.params) if value is not None]
+  roles.extend("state" if jaxprs.forwards(closed.jaxpr, out, closed.jaxpr.invars[i])
+               else "param_update"
+               for i, out in zip(written, closed.jaxpr.outvars[len(roles):], strict=False))
   roles.extend(["sown"] * len(jax.tree.leaves(sown)))
   roles.extend(["grad"] * n_diff)
   return roles
