@@ -59,9 +59,10 @@ class Threaded(NamedTuple):
       writes its own ``nnx.Param``, e.g. ``nnx.WeightNorm``), None for a leaf it did not
       write; ``()`` where it wrote none. A trace of the loss reports every leaf set again
       (``nnx.remat`` sets its params back); the loop and the view analysis keep those
-      whose value the micro-step's jaxpr does not forward (:func:`fxaccum.jaxprs.forwards`). The next micro-batch reads (and is differentiated
-      at) the written value. A loss's input never holds written values: the loop passes
-      them in as the differentiated leaves.
+      whose value the micro-step's jaxpr does not forward
+      (:func:`fxaccum.jaxprs.forwards`). The next micro-batch reads (and is
+      differentiated at) the written value. A loss's input never holds written values:
+      the loop passes them in as the differentiated leaves.
   """
 
   modules: Any = ()
