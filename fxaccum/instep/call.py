@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fxaccum import markers, meshes, split
+from fxaccum import jaxprs, markers, meshes, split
 from fxaccum.instep import fsdp as fsdp_lib
 from fxaccum.instep import paths
 from fxaccum.markers import is_marker, weight_dtype
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
   from fxaccum.integrations import nnx_modules
 
 __all__ = ["Call", "Config", "LossKind", "Threaded", "is_array", "micro_batch_avals",
-           "micro_loss"]
+           "micro_loss", "written_leaves"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +152,19 @@ def _written(read: list[Any], after: list[Any]) -> tuple[Any, ...]:
   value than the one it read), else None; ``()`` where it wrote none."""
   written = tuple(None if new is old else new for old, new in zip(read, after, strict=True))
   return written if any(w is not None for w in written) else ()
+
+
+def written_leaves(closed: Any, shapes: Any) -> tuple[bool, ...]:
+  """Per differentiated leaf, whether the micro-step traced as ``closed`` (its outputs
+  ``shapes``: ``((total, (weight, aux, state, sown)), grads)``, its first inputs the
+  differentiated leaves) wrote another value into it: a :attr:`Threaded.params` leaf
+  whose output the jaxpr does not forward from the leaf's input (a param set again to
+  the value it read, as ``nnx.remat`` sets its params back, is no write)."""
+  (total, (weight, aux, state, _)), _ = shapes
+  first = len(jax.tree.leaves((total, weight, aux, state.modules, state.arguments)))
+  outs = iter(closed.jaxpr.outvars[first:])
+  return tuple(value is not None and not jaxprs.forwards(
+      closed.jaxpr, next(outs), closed.jaxpr.invars[i]) for i, value in enumerate(state.params))
 
 
 def _summary(tree: Any) -> str:

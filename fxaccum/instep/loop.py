@@ -17,10 +17,17 @@ from jax import lax
 from jax.extend import core as jcore
 
 from fxaccum import analysis as analysis_lib
-from fxaccum import jaxprs, meshes, reductions, split
+from fxaccum import meshes, reductions, split
 from fxaccum.instep import accumulators as acc
 from fxaccum.instep import gather as gather_lib
-from fxaccum.instep.call import Call, Config, LossKind, micro_batch_avals, micro_loss
+from fxaccum.instep.call import (
+  Call,
+  Config,
+  LossKind,
+  micro_batch_avals,
+  micro_loss,
+  written_leaves,
+)
 from fxaccum.markers import (
   Concat,
   Max,
@@ -257,21 +264,16 @@ def _written_params(closed: Any, shapes: Any, whole: list[Any],
   micro-step traced as ``closed`` (its outputs ``shapes``) wrote another value into, as
   the loss reads them first; None for the others, a leaf set again to the value it read
   (``nnx.remat`` writes back what it was given) included; ``()`` where it wrote none."""
-  (total, (weight, aux, state, _)), _ = shapes
-  first = len(jax.tree.leaves((total, weight, aux, state.modules, state.arguments)))
-  outs = iter(closed.jaxpr.outvars[first:])
-  written = tuple(None if value is None or jaxprs.forwards(
-      closed.jaxpr, next(outs), closed.jaxpr.invars[i]) else value
-      for i, value in enumerate(state.params))
-  if not any(w is not None for w in written):
+  written = written_leaves(closed, shapes)
+  if not any(written):
     return ()
-  if any(w is not None and dims for w, dims in zip(written, gather_dims, strict=True)):
+  if any(w and dims for w, dims in zip(written, gather_dims, strict=True)):
     raise ValueError(
         "The loss writes a differentiated variable (e.g. nnx.WeightNorm or "
         "nnx.SpectralNorm writing its kernel) that is sharded over a data axis (FSDP) and "
         "gathered per device: fxaccum cannot thread a written shard. Replicate that "
         "param over the data axes, or call fxaccum outside your shard_map.")
-  return tuple(None if w is None else x for x, w in zip(whole, written, strict=True))
+  return tuple(x if w else None for x, w in zip(whole, written, strict=True))
 
 
 def _summed_over(closed: jax.extend.core.ClosedJaxpr, axes: tuple[str, ...], batch: Any,

@@ -21,13 +21,20 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fxaccum import analysis as analysis_lib
-from fxaccum import jaxprs, markers, meshes, reductions, split
+from fxaccum import markers, meshes, reductions, split
 from fxaccum.analysis import symbolic
 from fxaccum.instep import accumulators as acc
 from fxaccum.instep import fsdp as fsdp_lib
 from fxaccum.instep import gather as gather_lib
 from fxaccum.instep import paths
-from fxaccum.instep.call import Call, Config, is_array, micro_batch_avals, micro_loss
+from fxaccum.instep.call import (
+  Call,
+  Config,
+  is_array,
+  micro_batch_avals,
+  micro_loss,
+  written_leaves,
+)
 from fxaccum.instep.loop import loop
 from fxaccum.markers import is_marker
 from fxaccum.statistics import Statistics, noise_scale_of, unavailable_noise_scale
@@ -272,8 +279,8 @@ def _analyses(config: Config, layout: meshes.Layout, call: Call, paired: bool):
         closed, rows=rows, batch_inputs=range(n_diff, n_diff + n_micro),
         param_inputs=range(n_diff), partner=partner,
         partner_rows=rows // devices if partner is not None else None,
-        rows_seen=rows_seen), _roles(
-            closed, aux, state, sown, n_diff, n_micro), aux, closed.jaxpr
+        rows_seen=rows_seen), _roles(closed, aux, state, sown, written_leaves(*traced),
+                                     n_diff, n_micro), aux, closed.jaxpr
 
   if paired:
     (symbol,) = jax.export.symbolic_shape("rows")
@@ -302,9 +309,10 @@ def _analyses(config: Config, layout: meshes.Layout, call: Call, paired: bool):
   yield analysis(traced, rows, partner)
 
 
-def _roles(closed: Any, aux: Any, state: Any, sown: Any, n_diff: int,
-           n_micro: int) -> list[paths.Role]:
-  """The role of each output of a traced micro-step (see :func:`_analyses`)."""
+def _roles(closed: Any, aux: Any, state: Any, sown: Any, written: tuple[bool, ...],
+           n_diff: int, n_micro: int) -> list[paths.Role]:
+  """The role of each output of a traced micro-step (see :func:`_analyses`); ``written``:
+  :func:`~fxaccum.instep.call.written_leaves` of it."""
   roles: list[paths.Role] = ["total", "weight"]
   for marker in jax.tree.leaves(aux, is_leaf=is_marker):
     if isinstance(marker, markers.Weighted):
@@ -321,12 +329,9 @@ def _roles(closed: Any, aux: Any, state: Any, sown: Any, n_diff: int,
   state_out = closed.jaxpr.outvars[len(roles):len(roles) + carried]
   roles.extend("state" if v_out is v_in else "state_update"
                for v_in, v_out in zip(state_in, state_out, strict=True))
-  # A param the loss set again to the value it read (nnx.remat, nnx.scan write back what
-  # they were given) passes through; one it wrote another value into is an update.
-  written = [i for i, value in enumerate(state.params) if value is not None]
-  roles.extend("state" if jaxprs.forwards(closed.jaxpr, out, closed.jaxpr.invars[i])
-               else "param_update"
-               for i, out in zip(written, closed.jaxpr.outvars[len(roles):], strict=False))
+  # A param set again to the value it read passes through; another value is an update.
+  roles.extend("param_update" if w else "state"
+               for w, value in zip(written, state.params, strict=True) if value is not None)
   roles.extend(["sown"] * len(jax.tree.leaves(sown)))
   roles.extend(["grad"] * n_diff)
   return roles
