@@ -323,13 +323,14 @@ def param_hints(diff: Sequence[Any], param_shardings: Sequence[Any] | None) -> t
   """
   if param_shardings is not None:
     try:
-      full = jax.tree.broadcast(tuple(param_shardings), tuple(diff), is_leaf=_is_spec)
+      full = jax.tree.broadcast(tuple(param_shardings), tuple(diff),
+                                is_leaf=lambda x: x is None or _is_spec(x))
     except (ValueError, TypeError) as err:
       raise ValueError(
           "param_shardings must have the structure of the differentiated argument(s) (a "
           "tuple of them for a tuple argnums), or be a prefix of it, with PartitionSpec, "
           f"NamedSharding or None leaves: {err}") from None
-    specs = jax.tree.leaves(full, is_leaf=lambda x: x is None or _is_spec(x))
+    specs = jax.tree.structure(tuple(diff)).flatten_up_to(full)  # type: ignore[attr-defined]
     return tuple(s.spec if isinstance(s, NamedSharding) else s for s in specs)
   nnx = sys.modules.get("flax.nnx")  # NNX Variables exist only where flax NNX is loaded
   if nnx is None:

@@ -95,6 +95,28 @@ def test_gathered_per_use_is_exact_on_an_mlp(axis_type, k):
   assert_tree_close(got, jax.value_and_grad(reference_token_mean)(params, data))
 
 
+def test_param_shardings_with_none_for_an_argument_of_a_tuple_argnums():
+  """param_shardings=(None, specs) for argnums=(0, 1): None says nothing of argument 0
+  (its leaves' sharding stays unknown) and specs shard argument 1's gradients."""
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  params, data = make_params(), make_data(k=2)
+  first = {"w1": params["w1"]}
+  rest = {n: v for n, v in params.items() if n != "w1"}
+  specs = {n: MLP_SPECS[n] for n in rest}
+
+  def loss(first, rest, batch):
+    return weighted_loss({**first, **rest}, batch)
+
+  step = jax.jit(fxaccum.value_and_grad(loss, argnums=(0, 1), micro_batches=2,
+                                        batch_argnums=2, param_shardings=(None, specs)))
+  with jax.set_mesh(mesh):
+    value, (g_first, g_rest) = step(put(first, mesh, {"w1": P()}), put(rest, mesh, specs),
+                                    put(data, mesh, DATA))
+  ref_value, ref_grads = jax.value_and_grad(reference_token_mean)(params, data)
+  assert_tree_close((value, {**g_first, **g_rest}), (ref_value, ref_grads))
+  assert g_rest["w2"].sharding.spec == P("data"), g_rest["w2"].sharding
+
+
 @pytest.mark.parametrize("k", [1, 4])
 def test_scanned_layers_are_gathered_one_layer_at_a_time(k):
   """nn.scan over stacked params: each layer's shard is gathered inside the scan's body,

@@ -5,6 +5,7 @@ fxaccum), jitted once per loss and shared by the parametrized cases.
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -402,3 +403,104 @@ def test_fsdp_params_on_an_explicit_mesh_keep_their_sharding():
   assert_tree_close(grads, ref_grads)
   assert {n: g.sharding.spec for n, g in grads.items()} == {
       n: P(*s, *[None] * (params["img"][n].ndim - len(s))) for n, s in specs.items()}
+
+
+FSDP_SPECS = {"w_in": P(None, "data"), "w": P(None, None, "data"), "b": P(),
+              "w_out": P(None, "data")}
+
+
+def trimmed(spec):
+  """``spec`` without trailing Nones (how jit's outputs spell it)."""
+  axes = list(spec)
+  while axes and axes[-1] is None:
+    axes.pop()
+  return P(*axes)
+
+
+def test_fsdp_params_on_an_auto_mesh_inside_jit_keep_their_sharding_with_param_shardings():
+  """Inside jax.jit on an Auto mesh JAX does not show the params' sharding: given as
+  param_shardings (value_and_grad's spelling), the backward keeps them sharded and
+  reduce-scatters their gradients (without it: gathered, replicated gradients)."""
+  params, batch = make_problem()
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+
+  def loss(p, x, tower):
+    return contrastive(tower(p, x))
+
+  ref_value, ref_grads = jax.jit(jax.value_and_grad(loss), static_argnums=2)(
+      params["img"], batch["img"], residual_tower)
+  tower = fxaccum.micro_batched(residual_tower, micro_batches=4,
+                                param_shardings=(FSDP_SPECS, None))
+  step = jax.jit(jax.value_and_grad(functools.partial(loss, tower=tower)))
+  with jax.set_mesh(mesh):
+    args = ({n: jax.device_put(a, NamedSharding(mesh, FSDP_SPECS[n]))
+             for n, a in params["img"].items()}, on_mesh(batch["img"], mesh, batch=True))
+    rep = diagnostics.report(step, *args)
+    value, grads = step(*args)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  assert_tree_close(grads, ref_grads)
+  assert {n: trimmed(g.sharding.spec) for n, g in grads.items()} == {
+      n: trimmed(s) for n, s in FSDP_SPECS.items()}
+  assert rep.count(("reduce-scatter",)) > 0, rep.summary()  # (the strategy value_and_grad picks)
+  with pytest.raises(TypeError, match="one tree prefix per positional argument"):
+    fxaccum.micro_batched(residual_tower, micro_batches=4, param_shardings=FSDP_SPECS)
+
+
+def test_nnx_sharding_metadata_on_an_auto_mesh_keeps_gradients_sharded():
+  """An NNX module's params carry their sharding (nnx.with_partitioning): read without
+  param_shardings, as value_and_grad reads it."""
+  from flax import nnx
+
+  def partitioned(*names):
+    return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  x = make_problem()[1]["img"]
+  with jax.set_mesh(mesh):
+    model = nnx.Sequential(
+        nnx.Linear(D_IMG, WIDTH, kernel_init=partitioned(None, "data"), rngs=nnx.Rngs(0)),
+        jnp.tanh,
+        nnx.Linear(WIDTH, EMBED, kernel_init=partitioned("data", None), rngs=nnx.Rngs(1)))
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+    xs = on_mesh(x, mesh, batch=True)
+    tower = fxaccum.micro_batched(lambda m, x: m(x), micro_batches=4)
+    grads = nnx.jit(nnx.grad(lambda m, x: contrastive(tower(m, x))))(model, xs)
+    ref = nnx.jit(nnx.grad(lambda m, x: contrastive(m(x))))(model, xs)
+  assert_tree_close(nnx.to_pure_dict(grads), nnx.to_pure_dict(ref))
+  specs = jax.tree.map(lambda g: trimmed(g.sharding.spec), nnx.to_pure_dict(grads))
+  assert specs["layers"][0]["kernel"] == P(None, "data"), specs
+  assert specs["layers"][2]["kernel"] == P("data"), specs
+
+
+def dropout_tower(p, x, key):
+  return residual_tower(p, x, key, rate=0.5)
+
+
+def test_a_shared_dropout_key_warns_once_naming_micro_batched_and_rng_argnums():
+  """A key outside rng_argnums reaches every micro-batch whole: the same dropout pattern
+  each micro-batch (not the large batch's). The warning names micro_batched's own
+  argument; with rng_argnums, or a draw without a batch axis, nothing warns."""
+  params, batch = make_problem()
+  key = jax.random.key(3)
+
+  def caught(tower, p):
+    def loss(p):
+      return contrastive(tower(p, batch["img"], key))
+    with warnings.catch_warnings(record=True) as found:
+      warnings.simplefilter("always")
+      jax.grad(loss)(p)
+      jax.jit(jax.grad(loss))(p)
+    return [str(w.message) for w in found if "PRNG key" in str(w.message)]
+
+  shared = caught(fxaccum.micro_batched(dropout_tower, micro_batches=4), params["img"])
+  assert len(shared) == 1, shared
+  assert "fxaccum.micro_batched(dropout_tower)" in shared[0], shared
+  assert "rng_argnums=2" in shared[0], shared
+  assert caught(fxaccum.micro_batched(dropout_tower, micro_batches=4, rng_argnums=2),
+                params["img"]) == []
+
+  def projected(p, x, key):  # one projection every example shares
+    return residual_tower(p, x @ jax.random.normal(key, (D_IMG, D_IMG)))
+
+  assert caught(fxaccum.micro_batched(projected, micro_batches=4), params["img"]) == []

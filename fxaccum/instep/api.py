@@ -422,7 +422,10 @@ def _call(config: Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> 
   if modules is not None:
     nnx_lib.check_decode_caches(module_args, rows // config.micro_batches,
                                 config.micro_batches)
-  keys.warn_shared_keys(config, module_args, kwargs, modules.positions if modules else ())
+  keys.warn_shared_keys(
+      config.fun, module_args, kwargs, batch_argnums=config.batch_argnums,
+      named={*config.diff_argnums, *config.batch_argnums, *config.rng_argnums,
+             *config.state_argnums, *(modules.positions if modules else ())})
   if not config.reduce and any(layout.param_dims):
     raise ValueError(
         "fxaccum.value_and_unreduced_grad keeps one full gradient per device, so it needs "

@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from fxaccum.analysis import randomness
-from fxaccum.instep.call import Config
 
-__all__ = ["warn_shared_keys"]
+__all__ = ["looked_at", "warn_shared_keys"]
 
 # Functions already looked at: the warning, and the trace, come once per function.
 _SEEN: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -39,14 +38,22 @@ def _first_time(fun: Any) -> bool:
   return not seen
 
 
-def warn_shared_keys(config: Config, args: Sequence[Any], kwargs: dict,
-                     threaded: Sequence[int] = ()) -> None:
-  """Warns once per loss function where a shared key draws values along the batch axis.
-  ``threaded``: the positions of NNX graph nodes (an ``nnx.Rngs`` advances per micro-batch)."""
-  if not _first_time(config.fun):
+def looked_at(fun: Any) -> None:
+  """Marks ``fun`` as looked at: no warning for it (``micro_batched``'s backward loss,
+  whose keys ``micro_batched`` itself looked at)."""
+  _first_time(fun)
+
+
+def warn_shared_keys(fun: Any, args: Sequence[Any], kwargs: dict, *,
+                     batch_argnums: Sequence[int], named: set[int],
+                     name: str | None = None) -> None:
+  """Warns once per function where a shared key draws values along the batch axis.
+
+  ``named``: the positions that are not shared as given (differentiated, split, folded,
+  threaded: an ``nnx.Rngs`` advances per micro-batch); ``name``: the function as the
+  warning names it."""
+  if not _first_time(fun):
     return
-  named = {*config.diff_argnums, *config.batch_argnums, *config.rng_argnums,
-           *config.state_argnums, *threaded}
   offsets, inputs = 0, {}
   for i, arg in enumerate(args):
     leaves = jax.tree.leaves(arg)
@@ -57,29 +64,29 @@ def warn_shared_keys(config: Config, args: Sequence[Any], kwargs: dict,
   if not inputs:
     return
   try:
-    draws = _draws(config, args, kwargs, sorted(inputs))
+    draws = _draws(fun, batch_argnums, args, kwargs, sorted(inputs))
   except Exception:  # noqa: BLE001 - no symbolic trace: a hint, not a check
     return
   if draws:
     positions = sorted({inputs[i] for i in draws})
     what = ", ".join(sorted({d for found in draws.values() for d in found}))
     warnings.warn(
-        f"fxaccum: argument(s) {positions} of {getattr(config.fun, '__name__', 'the loss')} "
-        f"hold a PRNG key that every micro-batch shares, and the loss draws random values "
+        f"fxaccum: argument(s) {positions} of {name or getattr(fun, '__name__', 'the loss')} "
+        f"hold a PRNG key that every micro-batch shares, and it draws random values "
         f"along the batch axis from it ({what}), e.g. dropout masks: every micro-batch "
         f"gets the same pattern. Name it in rng_argnums={positions[0]} to fold it per "
         "micro-batch (jax.random.fold_in(key, i)), unless the micro-batches should share "
         "it.", UserWarning, stacklevel=4)
 
 
-def _draws(config: Config, args: Sequence[Any], kwargs: dict,
+def _draws(fun: Any, batch_argnums: Sequence[int], args: Sequence[Any], kwargs: dict,
            inputs: list[int]) -> dict[int, list[str]]:
   """Per key input (flat index), the draws along the batch axis the loss makes from it."""
   (rows,) = jax.export.symbolic_shape("rows")
   args = list(args)
-  for i in config.batch_argnums:
+  for i in batch_argnums:
     args[i] = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((rows, *jnp.shape(x)[1:]), jnp.result_type(x)), args[i])
-  closed = jax.make_jaxpr(functools.partial(config.fun, **kwargs))(*args)
+  closed = jax.make_jaxpr(functools.partial(fun, **kwargs))(*args)
   found = {i: randomness.shared_key_draws(closed, [i]) for i in inputs}
   return {i: draws for i, draws in found.items() if draws}

@@ -25,6 +25,7 @@ from jax import lax
 from fxaccum import markers, meshes, split
 from fxaccum.instep import api, paths
 from fxaccum.instep.call import is_array
+from fxaccum.instep.keys import looked_at, warn_shared_keys
 
 __all__ = ["micro_batched"]
 
@@ -34,7 +35,8 @@ _R = TypeVar("_R")
 
 def micro_batched(fun: Callable[_P, _R], *, micro_batches: int,
                   batch_argnums: int | Sequence[int] = 1,
-                  rng_argnums: int | Sequence[int] = ()) -> Callable[_P, _R]:
+                  rng_argnums: int | Sequence[int] = (),
+                  param_shardings: Sequence[Any] | None = None) -> Callable[_P, _R]:
   """``fun`` run on ``micro_batches`` micro-batches of its batch, one at a time.
 
   The result is ``fun`` applied to each global micro-batch, put back in the batch's row
@@ -69,6 +71,13 @@ def micro_batched(fun: Callable[_P, _R], *, micro_batches: int,
       each device.
     batch_argnums: positional argument(s) holding the batch, split along axis 0.
     rng_argnums: positional argument(s) holding PRNG keys, folded per micro-batch.
+    param_shardings: the shardings of ``fun``'s arguments where JAX does not show them
+      (params sharded over the data axes, FSDP, inside ``jax.jit`` on an ``Auto`` mesh),
+      as :func:`fxaccum.value_and_grad` takes them: one tree prefix of ``PartitionSpec``
+      / ``NamedSharding`` / None per positional argument (a shorter tuple ends in None;
+      the batch's and the keys' entries are None). With them the backward keeps those
+      params sharded and their gradients come back sharded like them. Not needed on an
+      ``Explicit`` mesh, nor for NNX modules that carry sharding metadata.
 
   Returns:
     A function with the signature of ``fun``.
@@ -97,7 +106,13 @@ def micro_batched(fun: Callable[_P, _R], *, micro_batches: int,
         f"batch_argnums and rng_argnums overlap at {sorted(set(batch_t) & set(rng_t))}: "
         "keys in the batch are already split per micro-batch, so leave them out of "
         "rng_argnums.")
-  spec = _Spec(fun, k, batch_t, rng_t)
+  if param_shardings is not None and not isinstance(param_shardings, (tuple, list)):
+    raise TypeError(
+        "micro_batched's param_shardings is a tuple with one tree prefix per positional "
+        f"argument of fun (None for the batch and the keys), got {type(param_shardings)}: "
+        "e.g. param_shardings=(params_specs, None) for fun(params, batch).")
+  spec = _Spec(fun, k, batch_t, rng_t,
+               None if param_shardings is None else tuple(param_shardings))
 
   @functools.wraps(fun)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -112,6 +127,7 @@ class _Spec:
   k: int
   batch_argnums: tuple[int, ...]
   rng_argnums: tuple[int, ...]
+  param_shardings: tuple[Any, ...] | None
 
   @property
   def name(self) -> str:
@@ -122,9 +138,11 @@ class _Spec:
 class _Parts:
   """One call's arguments, as leaves: ``diff`` (float leaves of the shared arguments),
   ``batch``, ``keys`` and ``fixed`` (the shared arguments' other array leaves), and how
-  to rebuild ``fun``'s arguments from them (``build``)."""
+  to rebuild ``fun``'s arguments from them (``build``); ``hints``: per ``diff`` leaf, the
+  PartitionSpec ``param_shardings`` or NNX metadata gives it, or None."""
 
   diff: list[Any]
+  hints: tuple[Any, ...]
   batch: list[Any]
   keys: list[Any]
   fixed: list[Any]
@@ -146,7 +164,8 @@ def _call(spec: _Spec, args: tuple, kwargs: dict) -> Any:
         "use_running_average=True, or LayerNorm), or fxaccum.value_and_grad with "
         "state_argnums.")
   parts = _parts(spec, args, kwargs)
-  layout = meshes.layout_of(parts.diff, parts.batch, [*parts.keys, *parts.fixed], None)
+  layout = meshes.layout_of(parts.diff, parts.batch, [*parts.keys, *parts.fixed], None,
+                            parts.hints)
   rows = split.leading_size(parts.batch, spec.k, layout.data_devices)
   for path, leaf in jax.tree_util.tree_flatten_with_path(kwargs)[0]:
     if rows > 1 and is_array(leaf) and jnp.shape(leaf)[:1] == (rows,):
@@ -155,6 +174,8 @@ def _call(spec: _Spec, args: tuple, kwargs: dict) -> Any:
           f"{rows} rows on axis 0, but keyword arguments reach every micro-batch whole, not "
           f"split. Pass batch data positionally and name it in batch_argnums (now "
           f"{spec.batch_argnums}).")
+  warn_shared_keys(spec.fun, args, kwargs, batch_argnums=spec.batch_argnums,
+                   named={*spec.batch_argnums, *spec.rng_argnums}, name=spec.name)
   return _custom(spec, parts, layout.data_axes)(parts.diff, parts.batch, parts.keys, parts.fixed)
 
 
@@ -171,6 +192,10 @@ def _parts(spec: _Spec, given: tuple, kwargs: dict) -> _Parts:
   shared = ([a if i not in roles else None for i, a in enumerate(args)], kwargs)
   leaves, shared_def = jax.tree.flatten(shared)
   is_diff = [is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves]
+  specs = spec.param_shardings
+  hints = meshes.param_hints([shared], None if specs is None else [(
+      [specs[i] if i < len(specs) and i not in roles else None for i in range(len(args))],
+      None)])
   is_fixed = [is_array(x) and not d for x, d in zip(leaves, is_diff, strict=True)]
   batch = [jax.tree.flatten(args[i]) for i in spec.batch_argnums]
   keys = [jax.tree.flatten(args[i]) for i in spec.rng_argnums]
@@ -191,6 +216,7 @@ def _parts(spec: _Spec, given: tuple, kwargs: dict) -> _Parts:
     return tuple(call_args), call_kwargs
 
   return _Parts(diff=[x for x, d in zip(leaves, is_diff, strict=True) if d],
+                hints=tuple(h for h, d in zip(hints, is_diff, strict=True) if d),
                 batch=[x for tree, _ in batch for x in tree],
                 keys=[x for tree, _ in keys for x in tree],
                 fixed=[x for x, f in zip(leaves, is_fixed, strict=True) if f], build=build)
@@ -214,7 +240,7 @@ def _custom(spec: _Spec, parts: _Parts, data_axes: tuple[str, ...]) -> Callable[
     return apply(*values), values
 
   def bwd(res, ct):
-    return _backward(spec, run, res, ct, perturbed["batch"])
+    return _backward(spec, run, res, ct, perturbed["batch"], parts.hints)
 
   apply.defvjp(fwd, bwd, symbolic_zeros=True)
   return apply
@@ -247,9 +273,10 @@ def _forward(spec: _Spec, run: Callable[..., Any], data_axes: tuple[str, ...],
 
 
 def _backward(spec: _Spec, run: Callable[..., Any], res: list[list[Any]], ct: Any,
-              batch_perturbed: list[bool]) -> tuple[Any, ...]:
+              batch_perturbed: list[bool], hints: tuple[Any, ...]) -> tuple[Any, ...]:
   """The cotangents of ``(diff, batch, keys, fixed)``: ``value_and_grad`` of
-  ``Sum(sum(fun(micro-batch) * ct[micro-batch]))`` over the micro-batches."""
+  ``Sum(sum(fun(micro-batch) * ct[micro-batch]))`` over the micro-batches; ``hints``, per
+  ``diff`` leaf, its ``param_shardings``."""
   diff, batch, keys, fixed = res
   cts = [None if _zero(c) else c for c in jax.tree.leaves(
       ct, is_leaf=lambda c: c is None or _zero(c))]
@@ -283,9 +310,14 @@ def _backward(spec: _Spec, run: Callable[..., Any], res: list[list[Any]], ct: An
                 for d, g in zip(diff, grads_diff, strict=True))
     return markers.Sum(jnp.asarray(total, jnp.float32)), [markers.Concat(g) for g in grads_x]
 
+  def of_micro_batch(d, micro, ks, f):
+    return loss(diff and d, micro, ks, f)
+
+  looked_at(of_micro_batch)  # micro_batched's call warned of spec.fun's shared keys
   differentiated = diff or [jnp.zeros((), jnp.float32)]
-  fn = api.value_and_grad(lambda d, m, ks, f: loss(diff and d, m, ks, f), has_aux=bool(need),
-                          micro_batches=spec.k, batch_argnums=1, rng_argnums=2)
+  fn = api.value_and_grad(of_micro_batch, has_aux=bool(need), micro_batches=spec.k,
+                          batch_argnums=1, rng_argnums=2,
+                          param_shardings=list(hints) if diff and any(hints) else None)
   with paths.entry(f"{spec.name} backward"):
     value, grads = fn(differentiated, (batch, [cts[j] for j in present]), keys, fixed)
   grads_batch: list[Any] = [None] * len(batch)
