@@ -101,6 +101,13 @@ def naive_mean_of_means(params, batch, k):
   return jnp.mean(jnp.stack(means))
 
 
+def global_micro_batch_reference(loss, params, batch, k):
+  """The contract: the mean of jax.value_and_grad over the k global micro-batches."""
+  step = jax.jit(jax.value_and_grad(loss))
+  results = [step(params, jax.tree.map(lambda a, i=i: a[i::k], batch)) for i in range(k)]
+  return jax.tree.map(lambda *xs: sum(xs) / k, *results)
+
+
 def assert_tree_close(actual, expected, rtol=1e-5, floor=1e-3):
   """Every leaf within rtol, relative to the leaf's largest reference magnitude (floored at
   `floor` x the tree's, for leaves whose exact value is 0 and hold only rounding noise,

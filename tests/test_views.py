@@ -21,6 +21,7 @@ from helpers import (
     AXIS_TYPES,
     assert_tree_close,
     example_mean_loss,
+    global_micro_batch_reference,
     make_data,
     make_params,
     mesh_of,
@@ -39,13 +40,6 @@ from fxaccum import diagnostics
 KS = (1, 4)
 ROWS, DIM, WIDTH = 64, 8, 16
 MESHES = {"dp8": ((8,), ("data",)), "data_x_model": ((4, 2), ("data", "model"))}
-
-
-def global_micro_batch_reference(loss, params, batch, k):
-  """The contract: the mean of jax.value_and_grad over the k global micro-batches."""
-  step = jax.jit(jax.value_and_grad(loss))
-  results = [step(params, jax.tree.map(lambda a, i=i: a[i::k], batch)) for i in range(k)]
-  return jax.tree.map(lambda *xs: sum(xs) / k, *results)
 
 
 def rows_of_all_devices(z):
