@@ -1,12 +1,16 @@
-"""Shared test data, models and references (plain JAX, independent of fxaccum)."""
+"""Shared test data, models and references (plain JAX, independent of fxaccum), and the
+harness of the view analysis's rule tests (tests/test_rules*.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +19,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fxaccum
+from fxaccum.analysis import analyze, mixing
+from fxaccum.jaxprs import eqns_within
 
 BATCH, TOKENS, DIM, HIDDEN = 64, 8, 8, 16
 
@@ -95,6 +101,13 @@ def naive_mean_of_means(params, batch, k):
   return jnp.mean(jnp.stack(means))
 
 
+def global_micro_batch_reference(loss, params, batch, k):
+  """The contract: the mean of jax.value_and_grad over the k global micro-batches."""
+  step = jax.jit(jax.value_and_grad(loss))
+  results = [step(params, jax.tree.map(lambda a, i=i: a[i::k], batch)) for i in range(k)]
+  return jax.tree.map(lambda *xs: sum(xs) / k, *results)
+
+
 def assert_tree_close(actual, expected, rtol=1e-5, floor=1e-3):
   """Every leaf within rtol, relative to the leaf's largest reference magnitude (floored at
   `floor` x the tree's, for leaves whose exact value is 0 and hold only rounding noise,
@@ -149,3 +162,76 @@ def run_script(path: str, *args: str, env: dict[str, str] | None = None) -> str:
   assert done.returncode == 0, (f"{path} {' '.join(args)} exited with {done.returncode}:\n"
                                 f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
   return done.stdout
+
+
+# The rule harness: one rule of the view analysis at a time, on `jax.make_jaxpr` of a tiny
+# `fun(batch, param)`, no mesh.
+ROWS = 8  # the examples of the harness's batch
+X = jax.ShapeDtypeStruct((ROWS, 4), jnp.float32)  # the batch: ROWS examples of 4 features
+W = jax.ShapeDtypeStruct((4, 4), jnp.float32)  # a param
+IDS = jax.ShapeDtypeStruct((ROWS,), jnp.int32)  # per-example indices (or counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """``fun(batch, param)`` must be accepted (or refused); its jaxpr holds ``primitive``."""
+
+  primitive: str
+  accept: bool
+  fun: Callable[..., Any]
+  batch: Any = X
+  param: Any = W
+  symbolic: bool = False  # traced with a symbolic number of rows
+  reason: str = ""  # refused: a part of the reason
+  axis_env: tuple[tuple[str, int], ...] = ()
+
+
+def ok(name: str, fun: Callable[..., Any], **kw) -> Case:
+  """A case the rule for primitive `name` must accept: no output mixes examples."""
+  return Case(name, True, fun, **kw)
+
+
+def no(name: str, fun: Callable[..., Any], **kw) -> Case:
+  """A case the rule for primitive `name` must refuse: an output mixes examples."""
+  return Case(name, False, fun, **kw)
+
+
+def case_id(case: Case) -> str:
+  """The test id of a case: its primitive and "ok" or "no"."""
+  return f"{case.primitive}-{'ok' if case.accept else 'no'}"
+
+
+def analyze_case(case: Case):
+  """The case's closed jaxpr and the view analysis of it (batch input 0, param input 1);
+  with `case.symbolic`, traced with a symbolic number of rows."""
+  batch = case.batch
+  rows: Any = ROWS if batch.shape[0] == ROWS else batch.shape[0]
+  if case.symbolic:
+    (rows,) = jax.export.symbolic_shape("rows")
+    batch = jax.ShapeDtypeStruct((rows, *batch.shape[1:]), batch.dtype)
+  closed = jax.make_jaxpr(case.fun, axis_env=list(case.axis_env))(batch, case.param)
+  return closed, analyze(closed, rows=rows, batch_inputs=[0], param_inputs=[1])
+
+
+def kinds_of(fun: Callable[..., Any], **kw) -> tuple:
+  """The kinds the view analysis gives the outputs of `fun(batch, param)` (`Case` fields
+  in `kw`)."""
+  return analyze_case(Case("", True, fun, **kw))[1].outputs
+
+
+def primitives_of(closed) -> set[str]:
+  """The names of the primitives in a closed jaxpr, sub-jaxprs included."""
+  return {e.primitive.name for eqn in closed.jaxpr.eqns for e in eqns_within(eqn)}
+
+
+def check_case(case: Case) -> None:
+  """The case's jaxpr holds its primitive, and the analysis accepts it (no output mixes
+  examples) or refuses it (an output mixes them, for a reason that holds `case.reason`)."""
+  closed, analysis = analyze_case(case)
+  assert case.primitive in primitives_of(closed), closed
+  reasons = [mixing(k) for k in analysis.outputs]
+  if case.accept:
+    assert reasons == [None] * len(reasons), analysis.outputs
+  else:
+    assert any(reasons), analysis.outputs
+    assert any(case.reason in r for r in reasons if r), reasons

@@ -1,7 +1,7 @@
 """The control-flow rules on per-example losses (issue 34): flax's ``nn.RNN`` scan over
 time, ``lax.map`` with ``batch_size=`` (a scan over blocks of examples) and a
 ``while_loop`` under ``jax.vmap`` (one predicate per example), each with its mixing
-variant refused. Tiny ``jax.make_jaxpr`` traces, no mesh (the harness of test_rules)."""
+variant refused. Tiny ``jax.make_jaxpr`` traces, no mesh (the rule harness of helpers.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import ROWS, Case, case_id, check_case, kinds_of, no, ok
 from jax import lax
-from test_rules import ROWS, Case, _analysis, no, ok
-from test_rules import test_rule as check_case
 
 from fxaccum.analysis import Rows, Stat
 from fxaccum.analysis.kinds import Blocked, Top, join, plain
@@ -71,8 +70,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES,
-                         ids=lambda c: f"{c.primitive}-{'ok' if c.accept else 'no'}")
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_control_flow_rule(case: Case):
   check_case(case)
 
@@ -80,13 +78,10 @@ def test_control_flow_rule(case: Case):
 def test_kinds_through_blocks_and_per_example_loops():
   """Rows come back as rows, sums over blocks are statistics, a per-example counter of a
   vmapped while_loop is rows."""
-  def outputs(fun, **kw):
-    return _analysis(Case("", True, fun, **kw))[1].outputs
-
-  assert outputs(lambda x, w: lax.map(lambda r: 2 * r, x, batch_size=4)) == (Rows(0),)
-  value, grad = outputs(_blocks_mean)
+  assert kinds_of(lambda x, w: lax.map(lambda r: 2 * r, x, batch_size=4)) == (Rows(0),)
+  value, grad = kinds_of(_blocks_mean)
   assert isinstance(value, Stat) and isinstance(grad, Stat) and not grad.mixed
-  (counter,) = outputs(lambda x, w: jax.vmap(_halvings)(x))
+  (counter,) = kinds_of(lambda x, w: jax.vmap(_halvings)(x))
   assert counter == Rows(0)
 
 
@@ -97,5 +92,5 @@ def test_blocked_is_a_plain_top_to_other_rules():
   assert isinstance(blocked, Top) and plain(blocked) == Top("split")
   assert join(blocked, blocked) == blocked
   assert type(join(blocked, Top("other"))) is Top
-  (out,) = _analysis(Case("", False, lambda x, w: jnp.tanh(x.reshape(2, 4, 4))))[1].outputs
+  (out,) = kinds_of(lambda x, w: jnp.tanh(x.reshape(2, 4, 4)))
   assert type(out) is Top

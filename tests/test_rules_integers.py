@@ -9,12 +9,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import IDS, ROWS, Case, analyze_case, case_id, no, ok, primitives_of
 from jax import lax
-from test_rules import ROWS, Case, _analysis, _primitives, no, ok
 
 from fxaccum.analysis import Stat
 
-IDS = jax.ShapeDtypeStruct((ROWS,), jnp.int32)  # a per-example count (e.g. tokens)
 UIDS = jax.ShapeDtypeStruct((ROWS,), jnp.uint32)
 WIDE = jax.ShapeDtypeStruct((256,), jnp.int32)  # more rows than a uint8 can count
 
@@ -82,14 +81,10 @@ CASES = [
 ]
 
 
-def _id(case: Case) -> str:
-  return f"{case.primitive}-{'ok' if case.accept else 'no'}"
-
-
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_integer_rule(case: Case):
-  closed, analysis = _analysis(case)
-  assert case.primitive in _primitives(closed), closed
+  closed, analysis = analyze_case(case)
+  assert case.primitive in primitives_of(closed), closed
   (kind,) = analysis.outputs
   if case.accept:
     assert isinstance(kind, Stat) and kind.mixed is None, kind

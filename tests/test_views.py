@@ -21,6 +21,7 @@ from helpers import (
     AXIS_TYPES,
     assert_tree_close,
     example_mean_loss,
+    global_micro_batch_reference,
     make_data,
     make_params,
     mesh_of,
@@ -28,6 +29,7 @@ from helpers import (
     reference_token_mean,
     weighted_loss,
 )
+from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -38,13 +40,6 @@ from fxaccum import diagnostics
 KS = (1, 4)
 ROWS, DIM, WIDTH = 64, 8, 16
 MESHES = {"dp8": ((8,), ("data",)), "data_x_model": ((4, 2), ("data", "model"))}
-
-
-def global_micro_batch_reference(loss, params, batch, k):
-  """The contract: the mean of jax.value_and_grad over the k global micro-batches."""
-  step = jax.jit(jax.value_and_grad(loss))
-  results = [step(params, jax.tree.map(lambda a, i=i: a[i::k], batch)) for i in range(k)]
-  return jax.tree.map(lambda *xs: sum(xs) / k, *results)
 
 
 def rows_of_all_devices(z):
@@ -378,6 +373,55 @@ def test_dropout_from_one_shared_key_is_global_and_matches_the_sequential_keys()
   assert_tree_close(got, ref)
 
 
+def _edge_batch(seed=0):
+  """Int8 ids, one of them -128 (its negation wraps), and features whose last column is
+  +10 on the first device's rows and -1 on the others'."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(-30, 30, size=ROWS).astype(np.int8)
+  ids[5] = -128  # the int8 whose negation wraps
+  x = rng.normal(size=(ROWS, 4)).astype(np.float32)
+  x[:, 3] = np.where(np.arange(ROWS) < ROWS // 8, 10.0, -1.0)  # first device's rows: +10
+  return {"x": x, "ids": ids}
+
+
+def _run_on_the_edge_batch(loss, k=4, axis_type=AxisType.Auto):
+  """fxaccum.value_and_grad(loss, has_aux=True) on _edge_batch() over 8 devices, and
+  jax.value_and_grad(loss, has_aux=True) on each of its global micro-batches (rows i::k)."""
+  params, batch = jnp.ones((4, 4)), _edge_batch()
+  mesh = mesh_of((8,), ("data",), axis_type)
+  step = jax.jit(fxaccum.value_and_grad(loss, has_aux=True, micro_batches=k))
+  with jax.set_mesh(mesh):
+    got = step(jax.device_put(params, NamedSharding(mesh, P())),
+               jax.device_put(batch, NamedSharding(mesh, P("data"))))
+  micro = [jax.tree.map(lambda a, i=i: a[i::k], batch) for i in range(k)]
+  reference = jax.jit(jax.value_and_grad(loss, has_aux=True))  # one compile for the k shares
+  return got, [reference(params, b) for b in micro]
+
+
+def _mean_value_and_grads(results):
+  """The mean over the micro-batches of the value and the gradients, aux left out."""
+  return jax.tree.map(lambda *xs: sum(xs) / len(results), *[(v, g) for (v, _), g in results])
+
+
+def position_segments(w, b):  # rows summed by their position (iota % 3)
+  x = b["x"]
+  s = jax.ops.segment_sum(lax.stop_gradient(x[:, 0]), jnp.arange(x.shape[0]) % 3, 3)
+  return jnp.mean((x @ w) ** 2) + jnp.sum(s * jnp.arange(1.0, 4.0)) / x.shape[0], ()
+
+
+def top_k_over_the_batch(w, b):
+  x = b["x"]
+  return jnp.mean((x @ w) ** 2) + jnp.sum(lax.top_k(x, 2, axis=0)[0]) / x.shape[0], ()
+
+
+@pytest.mark.parametrize("loss", [position_segments, top_k_over_the_batch])
+def test_selections_by_position_or_over_the_batch_are_exact(loss):
+  """Rows picked by their position in the batch, or the top rows over the batch, mix
+  examples (they took the device view once, and came back wrong)."""
+  got, results = _run_on_the_edge_batch(loss)
+  assert_tree_close(got, _mean_value_and_grads(results))
+
+
 @pytest.mark.parametrize("rows, reason", [
     (lambda h: h / h.shape[0], "scales with the micro-batch size"),
     (lambda h: jax.lax.rev(h, (0,)), "in another order"),
@@ -395,6 +439,33 @@ def test_a_concat_aux_of_rescaled_or_reordered_rows_says_which(rows, reason):
     f = jax.jit(fxaccum.value_and_grad(loss, has_aux=True, micro_batches=2))
     (path,) = diagnostics.paths(f, jnp.ones((4, 3)), x)
   assert path.view == "global" and reason in path.reason, path
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz])
+def test_an_extremum_in_a_float8_without_infinities_is_no_nan(dtype):
+  """Such dtypes turn -inf (a maximum's identity) into NaN."""
+  def loss(w, b):
+    h = b["x"] @ w
+    return jnp.mean(h ** 2), (fxaccum.Max(jnp.max(h).astype(dtype)),
+                              fxaccum.Min(jnp.min(h).astype(dtype)))
+
+  ((_, (top, bottom)), _), results = _run_on_the_edge_batch(loss)
+  assert float(top) == max(float(a[0].value) for (_, a), _ in results)
+  assert float(bottom) == min(float(a[1].value) for (_, a), _ in results)
+
+
+def test_negated_int8_extremes_and_infinite_sums_are_exact():
+  """-(-128) wraps to -128, so a negated int8 maximum is no minimum; and devices' shares
+  of a sum times inf of opposite signs (the first device's +10s, the others' -1s) would
+  add up to NaN where every micro-batch's sum is positive."""
+  def loss(w, b):
+    h = b["x"] @ w
+    return jnp.mean(h ** 2), (fxaccum.Min(-jnp.max(b["ids"])),
+                              fxaccum.Sum(jnp.sum(b["x"][:, 3]) * jnp.inf))
+
+  ((_, (low, total)), _), results = _run_on_the_edge_batch(loss)
+  assert int(low) == min(int(a[0].value) for (_, a), _ in results)
+  assert float(total) == float(sum(a[1].value for (_, a), _ in results)) == np.inf
 
 
 def test_explicit_global_view_keeps_matmul_params_reduced_across_the_loop():

@@ -10,11 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import AXIS_TYPES, assert_tree_close, mesh_of
+from helpers import AXIS_TYPES, assert_tree_close, global_micro_batch_reference, mesh_of
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_views import global_micro_batch_reference
 
 import fxaccum
 from fxaccum import diagnostics
