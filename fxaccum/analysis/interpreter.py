@@ -59,7 +59,15 @@ from fxaccum.analysis import rules as _rules  # noqa: F401 - fills the registry
 from fxaccum.analysis.eqns import is_constant, with_place
 from fxaccum.analysis.kinds import Blocked, Const, Kind, Rows, Stat, Top, Unpaired, mixing, plain
 from fxaccum.analysis.pairing import Pairing
-from fxaccum.analysis.registry import CALL_RULES, READS_BLOCKS, RULES, Context, Out, Result
+from fxaccum.analysis.registry import (
+    CALL_RULES,
+    READS_BLOCKS,
+    RULES,
+    Context,
+    Out,
+    Result,
+    facts_of,
+)
 from fxaccum.jaxprs import eqns_within
 
 __all__ = ["Const", "Rows", "Stat", "Top", "Analysis", "analyze", "depends_on", "mixing"]
@@ -152,7 +160,6 @@ def _calls(eqn: Any, names: frozenset[str]) -> bool:
   return any(inner.primitive.name in names for inner in eqns_within(eqn))
 
 
-# Ops that keep a bound on the magnitude of the elements (a sum: times their number).
 # "raise" (the test suite sets it, tests/conftest.py): a rule that raises is a bug that must
 # fail the test that found it. Otherwise the equation counts as mixing examples (the global
 # view, exact) and each primitive's failure is warned about once.
@@ -175,16 +182,6 @@ def _rule_failed(eqn: Any, err: Exception) -> None:
         f"{jax.__version__}: the step takes the global view, which is exact but may be "
         "slower. Please report it to fxaccum with this message.", RuntimeWarning,
         stacklevel=2)
-
-
-_KEEPS_BOUND = frozenset({"reduce_sum", "convert_element_type", "copy", "copy_p",
-                          "stop_gradient", "reshape", "squeeze", "expand_dims",
-                          "broadcast_in_dim", "transpose", "optimization_barrier",
-                          "sharding_constraint", "reduce_max", "reduce_min"})
-
-# Ops through which a param stays "the param" for the reduced-type analysis.
-TRANSPARENT = frozenset({"convert_element_type", "transpose", "copy", "copy_p",
-                         "reduce_precision", "sharding_constraint", "optimization_barrier"})
 
 
 class _Interpreter:
@@ -219,7 +216,7 @@ class _Interpreter:
       outs = self._eqn(eqn, kinds, sources)
       for var, kind in zip(eqn.outvars, outs, strict=True):
         env[var] = kind
-      if sources and eqn.primitive.name in TRANSPARENT:
+      if sources and facts_of(eqn.primitive.name).transparent:
         origin[eqn.outvars[0]] = sources[0]
     partner = self.pairing.partners.get(id(jaxpr))
     return [env[v] if not isinstance(v, jcore.Literal) else self.pairing.literal(
@@ -312,16 +309,18 @@ class _Interpreter:
   def _bound(self, eqn: Any) -> None:
     """Records a bound on the magnitude of the integer elements of ``eqn``'s result where
     one is known: a flag cast from a bool is 0 or 1, a sum of ``m`` bounded elements
-    ``m`` times their bound, and ops that move or copy elements keep it."""
+    ``m`` times their bound, and ops that move or copy elements keep it (as their
+    :class:`~fxaccum.analysis.registry.Facts` say)."""
     name = eqn.primitive.name
+    carries = facts_of(name).bound
     var = eqn.invars[0] if eqn.invars else None
     if var is None or isinstance(var, jcore.Literal):
       return
     if name == "convert_element_type" and jax.dtypes.issubdtype(var.aval.dtype, np.bool_):
       bound: int | None = 1
-    elif var not in self.bounds or name not in _KEEPS_BOUND:
+    elif var not in self.bounds or carries is None:
       return
-    elif name == "reduce_sum":
+    elif carries == "sums":
       count = self._count(math.prod(var.aval.shape[d] for d in eqn.params["axes"]))
       bound = None if count is None else count * self.bounds[var]
     else:
@@ -370,7 +369,7 @@ class _Interpreter:
 def _used_params(eqn: Any, kinds: Sequence[Kind], sources: dict[int, int]) -> set[int]:
   """The params ``eqn`` uses other than through casts into a matmul against batch rows."""
   name = eqn.primitive.name
-  if name in TRANSPARENT:
+  if facts_of(name).transparent:
     return set()
   return {param for pos, param in sources.items()
           if not (name == "dot_general" and isinstance(kinds[1 - pos], Rows))}

@@ -8,9 +8,12 @@ interpretation, and keeps what it found per equation: its partner equation, the 
 its parameters that differ, the partner's shape of values JAX left out there. It then
 answers the rules' questions from those facts: which dimensions follow the rows, how a
 size or a constant scales. In symbolic mode (a symbolic number of rows, no partner) the
-same questions are answered from the symbolic sizes.
+same questions are answered from the symbolic sizes. What it knows of a primitive (JAX
+leaves it out where it changes nothing, which parameters may follow the rows) is its
+:class:`~fxaccum.analysis.registry.Facts`, registered by the rule modules.
 
-May import ``fxaccum.jaxprs``, :mod:`.kinds`, :mod:`.eqns` and JAX.
+May import ``fxaccum.jaxprs``, :mod:`.kinds`, :mod:`.eqns`, :mod:`.registry` (its facts
+table) and JAX.
 """
 
 from __future__ import annotations
@@ -33,15 +36,10 @@ from fxaccum.analysis.eqns import (
     with_place,
 )
 from fxaccum.analysis.kinds import Const, Exp, Unpaired
+from fxaccum.analysis.registry import facts_of
 from fxaccum.jaxprs import held_jaxprs, subjaxprs
 
 __all__ = ["Pairing"]
-
-# Ops JAX leaves out where they would change nothing: sums over, and broadcasts to, a
-# dimension of size 1 (e.g. a gradient's reduction over the batch when it has one row).
-NOOP_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_and",
-                             "reduce_or", "reduce_prod"})
-_NOOP_RESHAPES = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims"})
 
 
 class Pairing:
@@ -152,24 +150,24 @@ class Pairing:
         changed.append(key)
     if changed:
       self.changed[id(ea)] = tuple(changed)
-    if "axes" in changed and ea.primitive.name in NOOP_REDUCTIONS:
+    if "axes" in changed and facts_of(ea.primitive.name).noop_reduction:
       # Reduced over a dimension that has one row per device: as if the partner had too.
       self.virtual[ea.outvars[0]] = _reduced_shape(ea, shape_of(eb.invars[0]))
 
   def _identity_at_partner(self, eqn: Any, env: dict[Any, Any]) -> Any:
     """The partner's value that ``eqn``'s result is, if ``eqn`` is the identity at the
     partner's sizes, else None."""
-    name = eqn.primitive.name
+    facts = facts_of(eqn.primitive.name)
     source = eqn.invars[0] if eqn.invars else None
     if (self.base is None or isinstance(source, jcore.Literal) or source not in env
         or len(eqn.outvars) != 1):
       return None
     theirs = env[source]
     shape = shape_of(theirs)
-    if name in NOOP_REDUCTIONS:
+    if facts.noop_reduction:
       axes = eqn.params["axes"]
       ok = len(shape) == len(shape_of(source)) and all(shape[d] == 1 for d in axes)
-    elif name in _NOOP_RESHAPES and len(eqn.invars) == 1:
+    elif facts.noop_reshape and len(eqn.invars) == 1:
       out = shape_of(eqn.outvars[0])
       ok = len(out) == len(shape) and all(
           x == y or x == y * self.base for x, y in zip(out, shape, strict=True))
@@ -285,11 +283,11 @@ class Pairing:
     changed = self.changed.get(id(eqn), ())
     if not changed:
       return None
-    name = eqn.primitive.name
-    allowed = set(_SHAPE_PARAMS.get(name, ()))
-    if name in _SLICE_PARAMS and self._slices_follow_rows(eqn):
-      allowed |= _SLICE_PARAMS[name]
-    if name in NOOP_REDUCTIONS and self._axes_follow_rows(eqn):
+    facts = facts_of(eqn.primitive.name)
+    allowed = set(facts.shape_params)
+    if facts.slice_params and self._slices_follow_rows(eqn):
+      allowed |= facts.slice_params
+    if facts.noop_reduction and self._axes_follow_rows(eqn):
       allowed.add("axes")
     return next((key for key in changed if key not in allowed), None)
 
@@ -315,26 +313,10 @@ class Pairing:
     return all(theirs[d] == 1 and d in self.scaled_dims(eqn, 0) for d in differ)
 
 
-# Parameters that are shapes: they may follow the batch's rows. What reads along such a
-# dimension is checked by the rules (reductions, contractions, slices, scans).
-_SHAPE_PARAMS = {
-    "broadcast_in_dim": {"shape", "sharding"},
-    "reshape": {"new_sizes", "sharding"},
-    "iota": {"shape", "sharding"},
-    "random_bits": {"shape"},
-    "random_split": {"shape"},
-    "rng_bit_generator": {"shape"},
-    "scan": {"length"},  # the scan rule checks it runs over the examples
-    "dim_as_value": {"dim"},
-}
-_SLICE_PARAMS = {"slice": {"start_indices", "limit_indices", "strides"},
-                 "dynamic_slice": {"slice_sizes"}, "gather": {"slice_sizes"}}
-
-
 def _reduced_shape(eqn: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
   """The partner's shape of ``eqn``'s result, from the partner's shape of its operand:
   reduced over ``eqn``'s axes (the identity there), or the operand itself."""
-  if eqn.primitive.name in NOOP_REDUCTIONS:
+  if facts_of(eqn.primitive.name).noop_reduction:
     return tuple(s for d, s in enumerate(shape) if d not in eqn.params["axes"])
   return shape
 

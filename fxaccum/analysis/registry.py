@@ -11,23 +11,33 @@ operands the interpreter has read, ``RULES``) or :func:`register_call` (equation
 sub-jaxprs, which see their operands' params and call the interpreter back through
 ``ctx.inner``, ``CALL_RULES``), as JAX registers its own per-primitive rules.
 
-Owns the two tables, :class:`Context` and :class:`Result`. May import :mod:`.kinds`,
-:mod:`.eqns` and :mod:`.pairing`; the rule modules (:mod:`fxaccum.analysis.rules`) and the
-interpreter import it, and it imports neither.
+What the interpreter and the pairing know of a primitive besides its rule (a param stays
+itself through it, it keeps a bound on its elements, JAX leaves it out where it changes
+nothing, which of its parameters may follow the rows) is a :class:`Facts` record in a
+third table, ``FACTS``, filled with :func:`register_facts` by the rule module that holds
+the primitive's rule: adding a primitive touches that one module.
+
+Owns the three tables, :class:`Context` and :class:`Result`. May import :mod:`.kinds` and
+:mod:`.eqns` (:mod:`.pairing` for types only: it reads ``FACTS``); the rule modules
+(:mod:`fxaccum.analysis.rules`), the pairing and the interpreter import it, and it imports
+none of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from fxaccum.analysis.eqns import with_place
 from fxaccum.analysis.kinds import Exp, Kind
-from fxaccum.analysis.pairing import Pairing
 
-__all__ = ["CALL_RULES", "READS_BLOCKS", "RULES", "Context", "Inner", "Operands", "Out",
-           "Result", "Rule", "register", "register_call"]
+if TYPE_CHECKING:  # the pairing reads FACTS: a run-time import would be circular
+  from fxaccum.analysis.pairing import Pairing
+
+__all__ = ["CALL_RULES", "FACTS", "READS_BLOCKS", "RULES", "Bound", "Context", "Facts",
+           "Inner", "Operands", "Out", "Result", "Rule", "facts_of", "register",
+           "register_call", "register_facts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,3 +156,63 @@ def _adding_to(table: dict[str, Rule], names: tuple[str, ...]) -> Callable[[Rule
       table[name] = rule
     return rule
   return add
+
+
+# How a primitive carries a bound on the magnitude of its elements: "keeps" it (moves or
+# copies elements), or "sums" them (the bound times the number of elements summed).
+Bound = Literal["keeps", "sums"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+  """What the interpreter and the pairing know of a primitive besides its rule.
+
+  Attributes:
+    transparent: a param stays "the param" through it, for the reduced-type analysis
+      (``Analysis.reducible``): casts, transposes, copies, placements.
+    bound: how it carries a bound on the magnitude of integer elements (see
+      :data:`Bound`), or None where a bound is lost.
+    noop_reduction: a reduction over ``axes`` that JAX leaves out where those dims have
+      size 1 (a gradient's sum over the batch when there is one row per device); its
+      ``axes`` may differ from the partner's by such dims.
+    noop_reshape: a reshape or broadcast that JAX leaves out where it changes nothing
+      (to a dim of size 1 per device).
+    shape_params: its parameters that are shapes: they may follow the rows (what reads
+      along such a dim is checked by the rules).
+    slice_params: its parameters that may follow the rows where it takes each dim that
+      follows them whole.
+  """
+
+  transparent: bool = False
+  bound: Bound | None = None
+  noop_reduction: bool = False
+  noop_reshape: bool = False
+  shape_params: frozenset[str] = frozenset()
+  slice_params: frozenset[str] = frozenset()
+
+
+FACTS: dict[str, Facts] = {}
+_NO_FACTS = Facts()
+
+
+def register_facts(*names: str, transparent: bool = False, bound: Bound | None = None,
+                   noop_reduction: bool = False, noop_reshape: bool = False,
+                   shape_params: Iterable[str] = (),
+                   slice_params: Iterable[str] = ()) -> None:
+  """Records the :class:`Facts` of the primitives ``names`` (once per primitive, by the
+  rule module that holds its rule).
+
+  Raises:
+    ValueError: a primitive's facts were registered already.
+  """
+  facts = Facts(transparent, bound, noop_reduction, noop_reshape, frozenset(shape_params),
+                frozenset(slice_params))
+  for name in names:
+    if name in FACTS:
+      raise ValueError(f"the facts of {name} are registered already")
+    FACTS[name] = facts
+
+
+def facts_of(name: str) -> Facts:
+  """The facts of primitive ``name`` (none, for a primitive without a record)."""
+  return FACTS.get(name, _NO_FACTS)

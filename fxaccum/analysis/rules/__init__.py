@@ -1,6 +1,6 @@
-"""The rules of the view analysis, by family: each module registers its rules in
-:mod:`fxaccum.analysis.registry` when imported, and importing this package fills the
-table.
+"""The rules of the view analysis, by family: each module registers its rules, and the
+facts of their primitives (``register_facts``), in :mod:`fxaccum.analysis.registry` when
+imported, and importing this package fills the tables.
 
 * :mod:`.elementwise`: arithmetic, casts, comparisons, random bits from keys;
 * :mod:`.reductions`: sums, maxima, ``argmax``, cumulative and window ops;

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fxaccum.analysis.eqns import with_place
 from fxaccum.analysis.kinds import Top
-from fxaccum.analysis.registry import Context, Operands, Out, register
+from fxaccum.analysis.registry import Context, Operands, Out, register, register_facts
 
 __all__ = ["COLLECTIVES", "PLACEMENTS", "collective", "placement"]
 
@@ -19,6 +19,8 @@ COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "
                "unreduced_pmax", "unreduced_pmin", "pbroadcast_dynamic")
 PLACEMENTS = ("sharding_constraint", "reshard", "mesh_cast", "device_put",
               "optimization_barrier", "relayout")
+# A param stays itself through these placements, and they keep a bound.
+register_facts("sharding_constraint", "optimization_barrier", transparent=True, bound="keeps")
 
 
 @register(*PLACEMENTS)

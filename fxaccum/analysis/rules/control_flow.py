@@ -33,7 +33,15 @@ from fxaccum.analysis.kinds import (
     mixing,
     plain,
 )
-from fxaccum.analysis.registry import Context, Operands, Out, Result, Rule, register_call
+from fxaccum.analysis.registry import (
+    Context,
+    Operands,
+    Out,
+    Result,
+    Rule,
+    register_call,
+    register_facts,
+)
 from fxaccum.jaxprs import expansion, scan_counts
 
 __all__ = ["call_hi_primitive", "cond", "custom_linear_solve", "fixpoint", "scan", "shard_map",
@@ -98,6 +106,9 @@ def shard_map(ctx: Context, kinds: Operands) -> Out:
     outs = [Top(with_place(eqn, "a shard_map inside the loss"))] * len(eqn.outvars)
   return Result(outs, not_reducible=frozenset(ctx.sources.values()),
                 blockers=(with_place(eqn, "the loss calls jax.shard_map"),))
+
+
+register_facts("scan", shape_params={"length"})  # the rule checks it runs over the examples
 
 
 @register_call("scan")

@@ -20,7 +20,7 @@ import numpy as np
 
 from fxaccum.analysis.eqns import shape_of, with_place
 from fxaccum.analysis.kinds import Const, Exp, Rows, Stat, Top, add_exps, common_exp
-from fxaccum.analysis.registry import Context, Operands, Out, register
+from fxaccum.analysis.registry import Context, Operands, Out, register, register_facts
 from fxaccum.analysis.rules.common import const_uniform, first_mixed, misaligned, uniform_at
 
 __all__ = ["ELEMENTWISE", "elementwise", "random_gamma", "random_keys"]
@@ -84,6 +84,12 @@ def _exp_of(eqn, kinds) -> Exp:
   if name in _SCALE_FREE:  # positive factors of D do not change the outcome
     return 0.0 if common_exp(kinds) is not None else None
   return 0.0 if all(k.exp == 0 for k in kinds) else None
+
+
+# Casts and copies: a param stays itself through them, and they keep a bound.
+register_facts("convert_element_type", "copy", "copy_p", transparent=True, bound="keeps")
+register_facts("stop_gradient", bound="keeps")
+register_facts("reduce_precision", transparent=True)
 
 
 @register(*ELEMENTWISE)
@@ -237,6 +243,9 @@ def _to_real_float(eqn) -> bool:
   return (jnp.issubdtype(target, jnp.floating)
           and not jnp.issubdtype(source, jnp.complexfloating)
           and bool(np.isinf(np.array(np.inf).astype(target))))
+
+
+register_facts("random_bits", "random_split", "rng_bit_generator", shape_params={"shape"})
 
 
 @register("random_bits", "random_split", "random_wrap", "random_unwrap",

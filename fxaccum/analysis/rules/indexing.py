@@ -15,7 +15,15 @@ from typing import Any, NamedTuple
 
 from fxaccum.analysis.eqns import shape_of, whole_dim, with_place
 from fxaccum.analysis.kinds import Const, Kind, Rows, Stat, Top, add_exps, common_exp
-from fxaccum.analysis.registry import Context, Operands, Out, Result, Rule, register
+from fxaccum.analysis.registry import (
+    Context,
+    Operands,
+    Out,
+    Result,
+    Rule,
+    register,
+    register_facts,
+)
 from fxaccum.analysis.rules.common import (
     first_mixed,
     index_changes,
@@ -112,6 +120,9 @@ def _padded_dims(eqn) -> set[int]:
   return {d for d, cfg in enumerate(eqn.params["padding_config"]) if tuple(cfg) != (0, 0, 0)}
 
 
+# A slice's bounds may follow the rows where it takes the dims that follow them whole.
+register_facts("slice", slice_params={"start_indices", "limit_indices", "strides"})
+register_facts("dynamic_slice", slice_params={"slice_sizes"})
 register("rev")(_along_batch("a reversal", lambda e: set(e.params["dimensions"])))
 register("slice")(_along_batch("a slice", _sliced_dims))
 register("dynamic_slice")(_along_batch("a dynamic slice", _sliced_dims))
@@ -148,6 +159,9 @@ def dynamic_update_slice(ctx: Context, kinds: Operands) -> Out:
     return Rows(dim, mixed or (None if ok else with_place(eqn, "an update of some examples")), exp,
                 rows[0].order)
   return Top(with_place(eqn, "dynamic_update_slice of batch values"))
+
+
+register_facts("gather", slice_params={"slice_sizes"})  # as a slice's (see above)
 
 
 @register("gather")

@@ -12,7 +12,7 @@ import dataclasses
 
 from fxaccum.analysis.eqns import shape_of, with_place
 from fxaccum.analysis.kinds import Const, Exp, Rows, Stat, Top, add_exps
-from fxaccum.analysis.registry import Context, Operands, Out, Rule, register
+from fxaccum.analysis.registry import Context, Operands, Out, Rule, register, register_facts
 from fxaccum.analysis.rules.common import (
   first_mixed,
   index_exp,
@@ -76,6 +76,11 @@ def _reduction(linear: bool) -> Rule:
   return rule
 
 
+# JAX leaves these out over dims of size 1 (a gradient's sum over the batch when there is
+# one row per device). A sum's bound is its operand's times the number summed.
+register_facts("reduce_sum", bound="sums", noop_reduction=True)
+register_facts("reduce_max", "reduce_min", bound="keeps", noop_reduction=True)
+register_facts("reduce_and", "reduce_or", "reduce_prod", noop_reduction=True)
 register("reduce_sum")(_reduction(linear=True))
 register("reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor",
          "argmax", "argmin")(_reduction(linear=False))

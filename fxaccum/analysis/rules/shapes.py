@@ -13,11 +13,21 @@ import math
 
 from fxaccum.analysis.eqns import is_constant, shape_of, with_place
 from fxaccum.analysis.kinds import Blocked, Const, Kind, Rows, Stat, Top, common_exp, plain
-from fxaccum.analysis.registry import Context, Operands, Out, register
+from fxaccum.analysis.registry import Context, Operands, Out, register, register_facts
 from fxaccum.analysis.rules.common import first_mixed, map_uniform, misaligned, uniform_at
 
 __all__ = ["broadcast_in_dim", "concatenate", "dim_as_value", "iota", "reshape", "squeeze",
            "stack", "tile", "transpose", "unstack"]
+
+
+# Broadcasts and reshapes move or copy elements (they keep a bound), and JAX leaves them
+# out where they change nothing (to a dim of size 1 per device); their shapes may follow
+# the rows. ``expand_dims`` has no rule: older JAX's spelling of a broadcast.
+register_facts("broadcast_in_dim", bound="keeps", noop_reshape=True,
+               shape_params={"shape", "sharding"})
+register_facts("reshape", bound="keeps", noop_reshape=True,
+               shape_params={"new_sizes", "sharding"})
+register_facts("squeeze", "expand_dims", bound="keeps", noop_reshape=True)
 
 
 @register("broadcast_in_dim")
@@ -114,6 +124,9 @@ def _reshaped_dim(shape, new_shape, dim: int, rows: int) -> int | None:
       return new_dim
     prefix *= size
   return None
+
+
+register_facts("transpose", transparent=True, bound="keeps")
 
 
 @register("transpose")
@@ -237,6 +250,10 @@ def tile(ctx: Context, kinds: Operands) -> Out:
     return kind  # copies of a sum are sums
   return Const(kind.uniform, kind.value, kind.exp if not (
       ctx.scaled_dims(0) & repeated) else None)
+
+
+register_facts("iota", shape_params={"shape", "sharding"})
+register_facts("dim_as_value", shape_params={"dim"})
 
 
 @register("iota")
