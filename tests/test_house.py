@@ -22,9 +22,10 @@ def sources():
 
 
 def test_modules_and_functions_stay_short():
-  """No module of fxaccum over 800 lines, no function body over 60 (docstrings aside)."""
+  """No module of fxaccum over 800 lines (of fxaccum/instep over 400), no function body
+  over 60 (docstrings aside)."""
   for path, source in sources().items():
-    assert len(source.splitlines()) <= 800, path
+    assert len(source.splitlines()) <= (400 if path.parent.name == "instep" else 800), path
     for node in ast.walk(ast.parse(source)):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         body = node.body[1:] if ast.get_docstring(node) is not None else node.body
