@@ -16,7 +16,8 @@ compiled memory against ``optax.MultiSteps`` as flax users jit it), ``coverage``
 (coverage.py: which primitives that jax.numpy, jax.nn, jax.random, optax's losses and
 flax's layers emit have a rule in the view analysis) and ``contrastive`` (contrastive.py:
 a CLIP loss over ``fxaccum.micro_batched`` towers against the large batch and a
-``grad_cached``-style step).
+``grad_cached``-style step) and ``tracing`` (tracing.py: trace + lower time of the in-step
+step against plain scan's).
 
 One Adam optimizer step on the same model and global batch, for every (layout, model) setup,
 method and number ``k`` of micro-batches per optimizer step. Layouts (``common.LAYOUTS``):
@@ -113,7 +114,7 @@ from fxaccum import diagnostics
 # --study NAME -> the module whose ``study(args)`` runs it (imported when chosen)
 STUDIES = {"fsdp": "fsdp", "schedules": "schedules", "plan": "plan",
            "one-device": "one_device", "coverage": "coverage", "contrastive": "contrastive",
-           "crossstep-memory": "crossstep_memory"}
+           "crossstep-memory": "crossstep_memory", "tracing": "tracing"}
 PIPELINE = "pipeline"  # fxaccum.pipeline against the same model without one (pipeline.py)
 SETUPS = ("replicated/mlp", "replicated/lm", "fsdp/mlp", "fsdp/lm", "data_x_model/mlp",
           "replicated/bn_mlp", "replicated_auto/bn_mlp")

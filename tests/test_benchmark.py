@@ -177,3 +177,15 @@ def test_contrastive_study_quick_run(tmp_path):
   assert micro["peak_mib"] < large["peak_mib"], rows
   assert rows["mean of micro-batch losses"]["grad_error"] > 1e-2, rows
   assert rows["grad_cached-style"]["grad_error"] < 1e-5, rows
+
+
+@pytest.mark.slow
+def test_tracing_study_quick_run(tmp_path):
+  """run.py --study tracing --quick: both steps lower, plain scan traces the loss once and
+  fxaccum at most twice (the times are figures, not checked)."""
+  out = tmp_path / "tracing.json"
+  run_script("benchmarks/run.py", "--study", "tracing", "--quick", "--repeats", "1",
+             "--out", str(out), env={"PYTHONPATH": str(ROOT)})
+  rows = json.loads(out.read_text())["rows"]
+  assert rows["plain scan"]["traces"] == 1 and 1 <= rows["fxaccum"]["traces"] <= 2, rows
+  assert all(r["seconds"] > 0 for r in rows.values()), rows
