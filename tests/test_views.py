@@ -6,6 +6,7 @@ the mean of ``jax.value_and_grad`` over the global micro-batches (rows ``i::k``)
 """
 
 import functools
+import math
 
 import flax.linen as nn
 import gemma_style
@@ -19,6 +20,7 @@ import ulysses
 from flax import nnx
 from helpers import (
     AXIS_TYPES,
+    DATA,
     assert_tree_close,
     example_mean_loss,
     global_micro_batch_reference,
@@ -870,3 +872,37 @@ def test_the_loss_is_traced_at_most_twice(case, axis_type):
   assert path.view == {"per_example": "device", "mixing": "global",
                        "one_micro_batch": "global"}[case], path
   assert traced == (1 if k == 1 else 2), traces
+
+
+def test_an_internal_error_fails_tests_and_warns_users_instead_of_a_silent_slow_path(
+    monkeypatch):
+  """A trace of the loss that fails in the loss's own code is a fact the decision records
+  (another view, exact). A failure without the loss's code in its traceback is fxaccum's
+  bug: it raises under the test suite (``FXACCUM_RULE_ERRORS=raise``, set by conftest) and
+  warns users once, asking for a report, instead of turning silently into the global
+  view."""
+  from fxaccum.analysis import interpreter
+  from fxaccum.instep import attempts, views
+
+  own = attempts.attempt(lambda: jnp.zeros((-1,)))  # the caller's code raised: a fact
+  assert own.value is None and own.error is not None
+  with pytest.raises((TypeError, ValueError)):
+    attempts.attempt(jnp.zeros, (-1,))  # only JAX and fxaccum in its traceback
+
+  # A bug in the per-device executor: a call that raises without code of the caller's (a
+  # function defined here would count as the loss's code).
+  monkeypatch.setattr(views, "_device_loop", math.sqrt)
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  step = fxaccum.value_and_grad(weighted_loss, micro_batches=4)
+  with jax.set_mesh(mesh):
+    args = (put(make_params(), mesh, {}), put(make_data(k=4), mesh, DATA))
+    with pytest.raises(TypeError, match="sqrt"):
+      jax.jit(step).lower(*args)
+    monkeypatch.delenv(interpreter.RULE_ERRORS)
+    monkeypatch.setattr(attempts, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="internal error.*TypeError.*report"):
+      value, grads = jax.jit(step)(*args)
+    rep = diagnostics.report(jax.jit(step), *args)
+  assert [p.view for p in rep.paths] == ["global"], rep.paths
+  assert_tree_close((value, grads), jax.value_and_grad(reference_token_mean)(
+      make_params(), make_data(k=4)))

@@ -6,8 +6,9 @@ of the function they return (:mod:`.invoke`), the view decision (:mod:`.decision
 micro-batch loop (:mod:`.loop`), what one traced call holds
 (:mod:`.call`), how each output is summed (:mod:`.accumulators`), the FSDP strategies
 (:mod:`.fsdp`, :mod:`.gather`), the record of the view each call took (:mod:`.paths`),
-and ``micro_batched`` (:mod:`.micro_batched`), a function over micro-batches whose backward
-is ``value_and_grad``'s loop.
+``micro_batched`` (:mod:`.micro_batched`), a function over micro-batches whose backward
+is ``value_and_grad``'s loop, the shared-key warning (:mod:`.keys`) and the one place a
+trace of the user's loss may fail (:mod:`.attempts`).
 
 May import: the shared modules (``fxaccum.markers``, ``options``, ``statistics``, ``split``,
 ``meshes``, ``reductions``, ``jaxprs``), ``fxaccum.analysis``, and

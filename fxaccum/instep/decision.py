@@ -9,6 +9,8 @@ what the executors (:mod:`fxaccum.instep.views`) run.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -21,11 +23,12 @@ from fxaccum.analysis import symbolic
 from fxaccum.instep import gather as gather_lib
 from fxaccum.instep import paths
 from fxaccum.instep.additivity import Role, classify
+from fxaccum.instep.attempts import attempt
 from fxaccum.instep.call import Call, Config, micro_batch_avals, written_leaves
 from fxaccum.markers import is_marker
 
-__all__ = ["ONE_DEVICE", "Decision", "analyses", "decide", "first_line", "named",
-           "no_device_reason"]
+__all__ = ["ONE_DEVICE", "Decision", "analyses", "decide", "first_line",
+           "forced_zero3_refusal", "named", "no_device_reason", "zero3_blocker"]
 
 # The reason on a mesh whose data axes hold one device, for either view: true for every
 # loss there (the analysis reads one size only, so how values scale is not known).
@@ -56,6 +59,39 @@ class Decision(NamedTuple):
 
 def decide(config: Config, layout: meshes.Layout, call: Call) -> Decision:
   """The view for this call (see :class:`Decision`)."""
+  decision = _view(config, layout, call)
+  blocker = zero3_blocker(call.diff_leaves, layout) if config.fsdp == "zero3" else None
+  if decision.path.view != "device" or blocker is None:
+    return decision
+  if config.view == "device":
+    raise ValueError(f"view='device' could not run the loss per device: "
+                     f"{forced_zero3_refusal(blocker)}.")
+  return Decision(dataclasses.replace(decision.path, view="global",
+                                      reason=forced_zero3_refusal(blocker)),
+                  decision.reducible)
+
+
+def forced_zero3_refusal(blocker: str) -> str:
+  """Why ``fsdp="zero3"``, asked for, cannot run: ``blocker`` (:func:`zero3_blocker`)."""
+  return (f"fsdp='zero3' cannot run this step: {blocker}; fsdp='auto' gathers such a "
+          "param once per step")
+
+
+def zero3_blocker(leaves: Sequence[Any], layout: meshes.Layout) -> str | None:
+  """Why zero3 cannot gather a param in the loop: JAX 0.10.2 cannot differentiate an
+  all_gather over a manual data axis of a value also sharded over an ``Explicit`` non-data
+  axis (an AssertionError in its sharding rule, without fxaccum too; docs/sharding.md)."""
+  for i, (leaf, dims) in enumerate(zip(leaves, layout.param_dims, strict=True)):
+    other = {a for entry in jax.typeof(leaf).sharding.spec for a in meshes.spec_axes(entry)}
+    other -= set(layout.data_axes)
+    if dims and meshes.explicit(layout.mesh, sorted(other)):
+      return (f"param leaf {i} is sharded over the Explicit axes {sorted(other)} too, and "
+              f"JAX {jax.__version__} fails to differentiate its gather inside the loop")
+  return None
+
+
+def _view(config: Config, layout: meshes.Layout, call: Call) -> Decision:
+  """The view the loss's jaxpr allows (see :class:`Decision`)."""
   axes = layout.data_axes
   on_explicit = meshes.explicit(layout.mesh, axes)
   if config.view == "global" and not on_explicit:
@@ -119,11 +155,8 @@ class _NoDeviceTrace(Exception):
 def _traced_for_every_size(step: Any, *args: Any) -> Any:
   """``make_jaxpr`` of ``step`` on arguments with a symbolic number of rows, or None
   where that is not the program every number of rows runs."""
-  try:
-    with symbolic.undecided_uses() as undecided:
-      traced = jax.make_jaxpr(step, return_shape=True)(*args)
-  except Exception:  # noqa: BLE001 - not traceable for any number of rows: pair two
-    return None
+  with symbolic.undecided_uses() as undecided:  # None: not traceable for any number of rows
+    traced = attempt(jax.make_jaxpr(step, return_shape=True), *args).value
   # Undecided: e.g. `if x.shape[0] == 2`, `if n % 2`: not the program on 2 rows.
   return None if undecided else traced
 
@@ -189,20 +222,17 @@ def analyses(config: Config, layout: meshes.Layout, call: Call, paired: bool):
       yield result
       if not result[0].sized_positions:  # concrete sizes would find the same
         return
-  try:
-    traced = jax.make_jaxpr(step, return_shape=True)(leaves, micro, call.state)
-  except Exception as err:  # noqa: BLE001 - retried without data axes, else re-raised
-    try:
-      traced = jax.make_jaxpr(step, return_shape=True)(*per_device((leaves, micro,
-                                                                    call.state)))
-    except Exception:  # noqa: BLE001
-      raise err from None
+  trace = jax.make_jaxpr(step, return_shape=True)
+  traced, err = attempt(trace, leaves, micro, call.state)
+  if err is not None:  # retried without the data axes, else the first error raised
+    traced = attempt(trace, *per_device((leaves, micro, call.state))).value
+    if traced is None:
+      raise err
   partner = None
   if paired:
-    try:
-      partner = jax.make_jaxpr(step)(per_device(leaves), per_device(micro, rows // devices),
-                                     per_device(call.state))
-    except Exception as err:  # noqa: BLE001 - the device view could not run it either
+    partner, err = attempt(jax.make_jaxpr(step), per_device(leaves),
+                           per_device(micro, rows // devices), per_device(call.state))
+    if err is not None:  # the device view could not run it either
       raise _NoDeviceTrace(f"the loss did not trace per device ({first_line(err)})") from err
   yield analysis(traced, rows, partner)
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from fxaccum.analysis import randomness
+from fxaccum.instep.attempts import attempt
 
 __all__ = ["looked_at", "warn_shared_keys"]
 
@@ -63,10 +64,8 @@ def warn_shared_keys(fun: Any, args: Sequence[Any], kwargs: dict, *,
     offsets += len(leaves)
   if not inputs:
     return
-  try:
-    draws = _draws(fun, batch_argnums, args, kwargs, sorted(inputs))
-  except Exception:  # noqa: BLE001 - no symbolic trace: a hint, not a check
-    return
+  # None: no symbolic trace (a hint, not a check)
+  draws = attempt(_draws, fun, batch_argnums, args, kwargs, sorted(inputs)).value
   if draws:
     positions = sorted({inputs[i] for i in draws})
     what = ", ".join(sorted({d for found in draws.values() for d in found}))

@@ -20,6 +20,7 @@ from fxaccum import analysis as analysis_lib
 from fxaccum import meshes, reductions, split
 from fxaccum.instep import accumulators as acc
 from fxaccum.instep import gather as gather_lib
+from fxaccum.instep.attempts import attempt
 from fxaccum.instep.call import (
   Call,
   Config,
@@ -44,14 +45,14 @@ from fxaccum.statistics import NOISE_TERMS, Statistics, noise_terms, sq_norm
 if TYPE_CHECKING:
   pass
 
-__all__ = ["loop"]
+__all__ = ["StatisticsPerDevice", "loop"]
 
 
 # ---------------------------------------------------------------------------------------
 # The micro-batch loop, shared by both views
 
 
-class _StatisticsPerDevice(Exception):
+class StatisticsPerDevice(Exception):
   """A one-micro-batch step asked for Statistics: its noise scale's small batches are the
   devices' rows, so it runs per device, not as jax.value_and_grad's program."""
 
@@ -69,7 +70,7 @@ def loop(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],
   them by the loss itself (its ``psum``) and is not summed again; the gradients always are.
   With ``traced`` (``fsdp="zero3"``), the loss traced on whole params runs on the shards
   ``whole``, gathering each where it is used. ``direct`` (one micro-batch, run as
-  ``jax.value_and_grad`` runs it) raises :class:`_StatisticsPerDevice` for a loss that asks
+  ``jax.value_and_grad`` runs it) raises :class:`StatisticsPerDevice` for a loss that asks
   for :class:`fxaccum.Statistics`.
 
   A differentiated leaf the loss writes (:attr:`~fxaccum.instep.call.Threaded.params`)
@@ -89,7 +90,7 @@ def loop(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],
   sums = _Sums.of(config, call, closed, shapes, axes, presummed, grads,
                   micro_gradients=traced is None)
   if direct and sums.statistics:
-    raise _StatisticsPerDevice()
+    raise StatisticsPerDevice()
   _warn_batch_shaped(config, call, whole, gather_dims, sums.markers)
   init = (sums.accumulator.init(), call.state._replace(
       params=_written_params(closed, shapes, whole, gather_dims)))
@@ -349,12 +350,12 @@ def _warn_batch_shaped(config: Config, call: Call, whole: list[Any],
     full = [reductions.gather(leaf, dims) for leaf, dims in zip(leaves, gather_dims, strict=True)]
     return jax.tree.leaves(call.loss(config, full, micro, 0, state)[2])
 
-  try:
+  def aux_kinds():
     closed = jax.make_jaxpr(aux_leaves)(whole, micro, call.state)
-    kinds = analysis_lib.analyze(closed, rows=rows, batch_inputs=range(
+    return analysis_lib.analyze(closed, rows=rows, batch_inputs=range(
         len(whole), len(whole) + len(jax.tree.leaves(micro))), param_inputs=()).outputs
-  except Exception:  # noqa: BLE001 - no jaxpr to read: go by the shape
-    kinds = None
+
+  kinds = attempt(aux_kinds).value  # None: no jaxpr to read, go by the shape
   position = 0
   for marker in markers:
     kind = kinds[position] if kinds is not None else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -26,9 +26,18 @@ from fxaccum.instep import accumulators as acc
 from fxaccum.instep import fsdp as fsdp_lib
 from fxaccum.instep import gather as gather_lib
 from fxaccum.instep import paths
+from fxaccum.instep.attempts import attempt
 from fxaccum.instep.call import Call, Config, is_array, micro_loss
-from fxaccum.instep.decision import analyses, decide, first_line, named, no_device_reason
-from fxaccum.instep.loop import loop
+from fxaccum.instep.decision import (
+    analyses,
+    decide,
+    first_line,
+    forced_zero3_refusal,
+    named,
+    no_device_reason,
+    zero3_blocker,
+)
+from fxaccum.instep.loop import StatisticsPerDevice, loop
 from fxaccum.markers import is_marker
 from fxaccum.statistics import Statistics, noise_scale_of, unavailable_noise_scale
 
@@ -62,10 +71,11 @@ def run_call(config: Config, layout: meshes.Layout, kwargs: dict,
     path, reducible, traced_aux, stacked, collectives = decide(config, layout, call)
     value_aux = None
     if path.view == "device":
-      try:
-        value_aux, grads, after = _device(config, layout, path, call, traced_aux, stacked,
-                                          collectives)
-      except Exception as err:  # noqa: BLE001 - any failure to trace per device
+      ran, err = attempt(_device, config, layout, path, call, traced_aux, stacked,
+                         collectives)
+      if err is None:
+        value_aux, grads, after = ran
+      else:  # the loss did not trace per device
         if config.view == "device":
           raise ValueError(
               f"view='device' could not run the loss per device: {first_line(err)}. "
@@ -115,10 +125,10 @@ def _direct(config: Config, layout: meshes.Layout, call: Call) -> Any:
     return None
   path = paths.Path("global", "one micro-batch: the step runs as jax.value_and_grad runs it",
                     layout.data_axes)
-  try:  # (a loss asking for Statistics raises: its noise scale's small batches are the
-    return _global(config, layout, path, frozenset(), call, direct=True)  # devices' rows)
-  except Exception:  # noqa: BLE001 - not runnable on the global batch: decide as for k > 1
-    return None
+  # None: not runnable on the global batch, decided as for k > 1 (so is a loss asking for
+  # Statistics: its noise scale's small batches are the devices' rows)
+  return attempt(_global, config, layout, path, frozenset(), call, True,
+                 expected=(StatisticsPerDevice,)).value
 
 
 # ---------------------------------------------------------------------------------------
@@ -225,10 +235,9 @@ def _per_rank(config: Config, layout: meshes.Layout, call: Call):
         f"{layout.data_axes}: there the loss sees only its device's shard. Call fxaccum "
         "outside the shard_map, or use view='auto'.")
   if config.view == "auto":
-    try:
-      total = next(analyses(config, layout, call, paired=False))[0].outputs[0]
-    except Exception:  # noqa: BLE001 - the check is best effort; the loop traces it again
-      total = None
+    # Best effort (None where it does not trace): the loop traces the loss again.
+    total = attempt(lambda: next(analyses(config, layout, call, paired=False))[0].outputs[0]
+                    ).value
     if isinstance(total, analysis_lib.Stat) and total.ratio:
       raise ValueError(
           f"Inside a shard_map over {layout.data_axes} each device's loss is its shard of "
@@ -298,10 +307,9 @@ def _fsdp_choice(config: Config, layout: meshes.Layout, call: Call, shards: list
   forward pass is read instead)."""
   if config.fsdp in ("zero1", "zero2"):
     return fsdp_lib.forced(config.fsdp), None
-  blocker = _zero3_blocker(call.diff_leaves, layout)
-  if config.fsdp == "zero3" and blocker:
-    raise ValueError(f"fsdp='zero3' cannot run this step: {blocker}; fsdp='auto' gathers "
-                     "such a param once per step")
+  blocker = zero3_blocker(call.diff_leaves, layout)
+  if config.fsdp == "zero3" and blocker:  # per-rank code (the decision saw the others)
+    raise ValueError(forced_zero3_refusal(blocker))
 
   def traced() -> gather_lib.Traced:
     micro = split.micro_batch(call.batch(config), 0, config.micro_batches)
@@ -320,30 +328,17 @@ def _fsdp_choice(config: Config, layout: meshes.Layout, call: Call, shards: list
   return choice, forward or traced()
 
 
-def _zero3_blocker(leaves: Sequence[Any], layout: meshes.Layout) -> str | None:
-  """Why zero3 cannot gather a param in the loop: JAX 0.10.2 cannot differentiate an
-  all_gather over a manual data axis of a value also sharded over an ``Explicit`` non-data
-  axis (an AssertionError in its sharding rule, without fxaccum too; docs/sharding.md)."""
-  for i, (leaf, dims) in enumerate(zip(leaves, layout.param_dims, strict=True)):
-    other = {a for entry in jax.typeof(leaf).sharding.spec for a in meshes.spec_axes(entry)}
-    other -= set(layout.data_axes)
-    if dims and meshes.explicit(layout.mesh, sorted(other)):
-      return (f"param leaf {i} is sharded over the Explicit axes {sorted(other)} too, and "
-              f"JAX {jax.__version__} fails to differentiate its gather inside the loop")
-  return None
-
-
 def _global(config: Config, layout: meshes.Layout, path: paths.Path,
             reducible: frozenset[int], call: Call, direct: bool = False):
   """Global view: the loss on the global micro-batch; leaves in ``reducible`` are typed
   ``reduced`` over the data axes (Explicit meshes) so their gradients stay unreduced
   through the loop and are reduced once after it. ``direct``: see :func:`loop`."""
   if reducible:
-    try:
-      return _global_loop(config, layout, path, reducible, call)
-    except Exception as err:  # noqa: BLE001 - an op without reduced/unreduced rules
-      path = dataclasses.replace(
-          path, reason=f"{path.reason}; params not kept reduced ({first_line(err)})")
+    ran, err = attempt(_global_loop, config, layout, path, reducible, call)
+    if err is None:
+      return ran
+    path = dataclasses.replace(  # e.g. an op without reduced/unreduced rules
+        path, reason=f"{path.reason}; params not kept reduced ({first_line(err)})")
   return _global_loop(config, layout, path, frozenset(), call, direct)
 
 
