@@ -12,10 +12,11 @@ and never extrapolates: it compiles every candidate up to the one it chooses.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -236,27 +237,31 @@ def plan_micro_batches(
       "(jax.checkpoint).")
 
 
+@contextlib.contextmanager
+def _noted(where: str) -> Iterator[None]:
+  """Runs the user's code, adding to what it raises a note saying where the planner was."""
+  try:
+    yield
+  except Exception as err:  # noqa: BLE001 - the user's code: a note added, re-raised
+    err.add_note(f"fxaccum.plan_micro_batches: {where}")
+    raise
+
+
 def _compile(make_step: Callable[[int], Any], k: int, example_args: Sequence[Any],
              budget: int) -> tuple[PlanRow, Any]:
   """``make_step(k)`` compiled for the example arguments, and its row of the table."""
   start = time.perf_counter()
-  try:
+  with _noted(f"raised by make_step({k}) (micro_batches={k})."):
     step = make_step(k)
-  except Exception as err:  # noqa: BLE001 - the user's make_step: a note added, re-raised
-    err.add_note(f"fxaccum.plan_micro_batches: raised by make_step({k}) (micro_batches={k}).")
-    raise
   if not callable(getattr(step, "lower", None)):
     raise TypeError(
         f"plan_micro_batches: make_step({k}) returned a {type(step).__name__!r}, which has "
         "no .lower(): the planner compiles the step ahead of time without running it, "
         "so make_step must return a jitted function. Wrap the step in jax.jit, e.g. "
         "`return jax.jit(train_step, donate_argnums=(0, 1))`.")
-  try:
+  with _noted(f"raised while compiling make_step({k}) (micro_batches={k}) for the "
+              "example arguments."):
     compiled = step.lower(*example_args).compile()
-  except Exception as err:  # noqa: BLE001 - the user's step: a note added, re-raised
-    err.add_note(f"fxaccum.plan_micro_batches: raised while compiling make_step({k}) "
-                 f"(micro_batches={k}) for the example arguments.")
-    raise
   seconds = time.perf_counter() - start
   memory = _memory_of(compiled)
   if memory is None:

@@ -47,8 +47,8 @@ def _place(eqn: Any) -> str:
   try:  # source line of the user's code, for diagnostics
     from jax._src import source_info_util
     place = source_info_util.summarize(eqn.source_info)
-  except Exception:  # noqa: BLE001 - a private helper; the reason stands without it
-    place = ""
+  except (ImportError, AttributeError, TypeError, ValueError):  # a private helper; the
+    place = ""  # reason stands without it
   return f" at {place}" if place else ""
 
 

@@ -347,7 +347,7 @@ def _same_param(a: Any, b: Any) -> bool:
   try:
     same = a == b
     return bool(same) if not isinstance(same, np.ndarray) else bool(np.all(same))
-  except Exception:  # noqa: BLE001 - incomparable values: count them as different
+  except (TypeError, ValueError):  # incomparable values: count them as different
     return False
 
 
@@ -362,7 +362,7 @@ def _array(value: Any) -> np.ndarray | None:
     if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
       value = jax.random.key_data(value)
     out = np.asarray(value)
-  except Exception:  # noqa: BLE001 - e.g. a closed-over tracer: no numbers to compare
+  except (TypeError, ValueError):  # e.g. a closed-over tracer: no numbers to compare
     return None
   return out if out.dtype.kind in "biufc" else None
 

@@ -165,11 +165,13 @@ def _watched(name: str, original: Callable[..., Any],
     caller = _caller_outside_jax(sys._getframe(1))
     if caller is None:
       return original(self, *args)
+    returned = False
     try:
       result = original(self, *args)
-    except Exception:  # noqa: BLE001 - recorded as undecided, then re-raised as it was
-      found.append(f"{_where(caller)}: {name} of {_text(self)} raised")
-      raise
+      returned = True
+    finally:  # a raise is recorded as undecided, then goes on as it was
+      if not returned:
+        found.append(f"{_where(caller)}: {name} of {_text(self)} raised")
     _CHECKING.active = True
     try:
       undecided = check(self, args, result)
