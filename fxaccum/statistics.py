@@ -24,7 +24,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 __all__ = ["NOISE_TERMS", "NoiseScale", "NoiseScaleEMA", "Statistics", "noise_scale_of",
-           "noise_terms", "sq_norm", "unavailable_noise_scale"]
+           "noise_terms", "sq_norm", "unavailable_noise_scale", "with_statistics"]
 
 
 def _grad_sq(small_sq, big_sq, small_batch, big_batch):
@@ -230,3 +230,13 @@ def noise_scale_of(terms: jax.Array, grads: Any) -> NoiseScale:
   sq_sum, count, inverse_sum, size_sum = terms
   return NoiseScale(small_sq_norm=sq_sum / count, big_sq_norm=sq_norm(grads),
                     small_batch=count / inverse_sum, big_batch=size_sum)
+
+
+def with_statistics(aux: Any, skipped: jax.Array, terms: jax.Array | None, grads: Any) -> Any:
+  """``aux`` with each :class:`Statistics` request filled with the step's: its
+  ``skipped`` count and the noise scale of its summed :data:`NOISE_TERMS` against its
+  gradient ``grads`` (NaN where ``terms`` is None: no noise scale for this step)."""
+  noise = noise_scale_of(terms, grads) if terms is not None else unavailable_noise_scale()
+  filled = Statistics(skipped=skipped, noise_scale=noise)
+  return jax.tree.map(lambda m: filled if isinstance(m, Statistics) else m, aux,
+                      is_leaf=lambda m: isinstance(m, Statistics))

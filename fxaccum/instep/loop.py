@@ -9,7 +9,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,11 +45,36 @@ from fxaccum.statistics import NOISE_TERMS, Statistics, noise_terms, sq_norm
 if TYPE_CHECKING:
   pass
 
-__all__ = ["StatisticsPerDevice", "loop"]
+__all__ = ["Looped", "StatisticsPerDevice", "loop"]
 
 
 # ---------------------------------------------------------------------------------------
 # The micro-batch loop, shared by both views
+
+
+class Looped(NamedTuple):
+  """What :func:`loop` returns.
+
+  Attributes:
+    value: the loss's value over the micro-batches (normalized by the summed weight, or a
+      ``Sum``'s sum).
+    aux: the aux outputs, each combined as its marker says.
+    statistics: None, or the skipped count and the summed :data:`NOISE_TERMS` (None where
+      the step has no noise scale).
+    grads: the gradients, as the gradients' accumulator's ``finalize`` gives them.
+    local_weight: this device's share of the summed loss weight (the shares add up to it
+      over the loop's manual axes).
+    state: the threaded state after the last micro-batch.
+    sown: the values sown per micro-batch, stacked.
+  """
+
+  value: Any
+  aux: Any
+  statistics: Any
+  grads: Any
+  local_weight: Any
+  state: Any
+  sown: Any
 
 
 class StatisticsPerDevice(Exception):
@@ -77,11 +102,7 @@ def loop(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],
   is carried through the loop like module state: each micro-batch reads, and is
   differentiated at, the value the previous one wrote.
 
-  Returns ``((value, aux, statistics), grads, local_weight, (state, sown))``: ``grads`` as
-  ``grads.finalize`` gives them, ``statistics`` None or the skipped count and the summed
-  :data:`NOISE_TERMS` (None where the step has no noise scale), ``local_weight`` this
-  device's share of the summed loss weight (the shares add up to it over ``axes``),
-  ``sown`` the values sown per micro-batch, stacked.
+  Returns a :class:`Looped`.
   """
   step = _micro_step(config, call, axes, gather_dims, traced)
   # The micro-step is traced once: its outputs (abstract, with the manual axes each varies
@@ -102,8 +123,8 @@ def loop(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],
   else:
     (carry, state), sown = lax.scan(body, init, jnp.arange(config.micro_batches))
   with jax.named_scope("fxaccum_reduce"):
-    value_aux, grad_values, local_weight = sums.finalize(carry, axes)
-  return value_aux, grad_values, local_weight, (state, sown)
+    value, aux, statistics, grad_values, local_weight = sums.finalize(carry, axes)
+  return Looped(value, aux, statistics, grad_values, local_weight, state, sown)
 
 
 def _micro_step(config: Config, call: Call, axes: tuple[str, ...],
@@ -195,7 +216,8 @@ class _Sums:
         rows_per_weight=1 if kind == "weighted" else batch_rows // config.micro_batches)
 
   def finalize(self, carry: list[Any], axes: tuple[str, ...]):
-    """``((value, aux, statistics), grads, local_weight)`` of the summed ``carry``."""
+    """``(value, aux, statistics, grads, local_weight)`` of the summed ``carry`` (see
+    :class:`Looped`)."""
     grad_sums, total_sum, weight_sum, aux_sums, skipped_sum, *noise_sums = carry
     shared = [a for a in axes if a not in self.weight_axes]
     local_weight = weight_sum.astype(jnp.float32) / math.prod(
@@ -211,7 +233,7 @@ class _Sums:
     if self.statistics:
       statistics = (self.skipped.finalize(skipped_sum, summed_weight),
                     self.noise.finalize(noise_sums[0], None) if self.noise else None)
-    return (value, aux, statistics), self.grads.finalize(grad_sums, norm), local_weight
+    return value, aux, statistics, self.grads.finalize(grad_sums, norm), local_weight
 
 
 def _loop_body(config: Config, traced_step: Callable[..., Any], out_def: Any, sums: _Sums,

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +37,9 @@ from fxaccum.instep.decision import (
     no_device_reason,
     zero3_blocker,
 )
-from fxaccum.instep.loop import StatisticsPerDevice, loop
+from fxaccum.instep.loop import Looped, StatisticsPerDevice, loop
 from fxaccum.markers import is_marker
-from fxaccum.statistics import Statistics, noise_scale_of, unavailable_noise_scale
+from fxaccum.statistics import with_statistics
 
 if TYPE_CHECKING:
   from fxaccum.integrations import nnx_modules
@@ -60,49 +60,54 @@ def run_call(config: Config, layout: meshes.Layout, kwargs: dict,
   diff_leaves, diff_def = jax.tree.flatten(diff)
   rest = tuple(None if i in config.diff_argnums else a for i, a in enumerate(args))
   call = Call(diff_leaves, diff_def, rest, kwargs, state, modules)
-  if layout.manual:
-    value_aux, grads, after = _per_rank(config, layout, call)
-  elif (direct := _direct(config, layout, call)) is not None:
-    value_aux, grads, after = direct
-  elif not layout.data_axes:
+  ran = _per_rank(config, layout, call) if layout.manual else _direct(config, layout, call)
+  if ran is None and not layout.data_axes:
     path = paths.Path("global", "the batch is not split over data-parallel devices", ())
-    value_aux, grads, after = _global(config, layout, path, frozenset(), call)
-  else:
-    path, reducible, traced_aux, stacked, collectives = decide(config, layout, call)
-    value_aux = None
+    ran = _global(config, layout, path, frozenset(), call)
+  elif ran is None:
+    decision = decide(config, layout, call)
+    path = decision.path
     if path.view == "device":
-      ran, err = attempt(_device, config, layout, path, call, traced_aux, stacked,
-                         collectives)
-      if err is None:
-        value_aux, grads, after = ran
-      else:  # the loss did not trace per device
+      ran, err = attempt(_device, config, layout, path, call, decision.aux,
+                         decision.stacked, decision.collectives)
+      if err is not None:  # the loss did not trace per device
         if config.view == "device":
           raise ValueError(
               f"view='device' could not run the loss per device: {first_line(err)}. "
               "(A loss that runs on the global micro-batch, with no collective over the "
               "data axes, can take view='auto' or view='global' instead.)") from err
         path = dataclasses.replace(path, view="global", reason=no_device_reason(err))
-    if value_aux is None:
+    if ran is None:
       _warn_gathered_by_the_compiler(config, layout, path)
-      value_aux, grads, after = _global(config, layout, path, reducible, call)
+      ran = _global(config, layout, path, decision.reducible, call)
+  grads = ran.grads
   if config.single_argnum and not isinstance(grads, reductions.Unreduced):
     grads = grads[0]
-  value, aux, stats = value_aux
-  if stats is not None:
-    aux = _with_statistics(aux, stats, grads)
-  return ((value, aux) if config.has_aux else value, grads), after
+  aux = ran.aux
+  if ran.statistics is not None:  # no noise scale of per-device sums
+    skipped, terms = ran.statistics
+    aux = with_statistics(aux, skipped, None if isinstance(
+        grads, reductions.Unreduced) else terms, grads)
+  return ((ran.value, aux) if config.has_aux else ran.value, grads), (ran.state, ran.sown)
 
 
-def _with_statistics(aux: Any, stats: tuple[jax.Array, jax.Array | None], grads: Any) -> Any:
-  """``aux`` with the step's :class:`fxaccum.Statistics` where the loss asked for them;
-  ``stats`` is the loop's skipped count and summed :data:`NOISE_TERMS` (None: no noise
-  scale for this step)."""
-  skipped, terms = stats
-  noise = (noise_scale_of(terms, grads) if terms is not None and
-           not isinstance(grads, reductions.Unreduced) else unavailable_noise_scale())
-  filled = Statistics(skipped=skipped, noise_scale=noise)
-  return jax.tree.map(lambda m: filled if isinstance(m, Statistics) else m, aux,
-                      is_leaf=is_marker)
+class Ran(NamedTuple):
+  """What a view returns: the loss's ``value``, its ``aux``, the step's ``statistics``
+  (see :class:`~fxaccum.instep.loop.Looped`), the ``grads`` (the differentiated
+  arguments' trees, or ``fxaccum.Unreduced``), and the threaded ``state`` and ``sown``
+  values."""
+
+  value: Any
+  aux: Any
+  statistics: Any
+  grads: Any
+  state: Any
+  sown: Any
+
+  @classmethod
+  def of(cls, looped: Looped, grads: Any) -> Ran:
+    return cls(looped.value, looped.aux, looped.statistics, grads, looped.state,
+               looped.sown)
 
 
 def _warn_gathered_by_the_compiler(config: Config, layout: meshes.Layout,
@@ -116,7 +121,7 @@ def _warn_gathered_by_the_compiler(config: Config, layout: meshes.Layout,
         "device.", stacklevel=4)
 
 
-def _direct(config: Config, layout: meshes.Layout, call: Call) -> Any:
+def _direct(config: Config, layout: meshes.Layout, call: Call) -> Ran | None:
   """One micro-batch (``view="auto"``, reduced): nothing to accumulate, and the compiler's
   reduction of ``jax.value_and_grad``'s program is already one per step, so that program
   runs, without a per-device region or a loop. None where it does not trace (code valid
@@ -136,7 +141,7 @@ def _direct(config: Config, layout: meshes.Layout, call: Call) -> Any:
 
 
 def _device(config: Config, layout: meshes.Layout, path: paths.Path, call: Call,
-            traced_aux: Any = None, stacked: bool | None = None, collectives: bool = False):
+            traced_aux: Any = None, stacked: bool | None = None, collectives: bool = False) -> Ran:
   """Per-device view: a shard_map manual over the data axes, one reduction after the loop.
   ``traced_aux`` and ``stacked``: the aux as the view analysis traced it (its markers),
   and whether its micro-step scans over stacked FSDP params, if it traced one;
@@ -152,7 +157,6 @@ def _device(config: Config, layout: meshes.Layout, path: paths.Path, call: Call,
   diff_leaves = [conform(x, spec) for x, spec in zip(call.diff_leaves, param_specs, strict=True)]
   rest = jax.tree.map(conform, call.rest, rest_specs)
   arrays = [conform(kw_leaves[i], P()) for i in kw_arrays]
-
   state = jax.tree.map(lambda x: conform(x, P()), call.state)
 
   def local_call(diff_leaves, rest, arrays, state) -> Call:
@@ -190,17 +194,17 @@ def _device(config: Config, layout: meshes.Layout, path: paths.Path, call: Call,
         probe, mesh=layout.mesh, in_specs=in_specs, out_specs=(), axis_names=set(axes)),
         diff_leaves, rest, arrays, state)
     aux_specs = found["specs"]
-  def region(check_vma: bool):
+  def region(check_vma: bool) -> Ran:
     chosen.clear()
-    return meshes.shard_map_keeping_axes(local, mesh=layout.mesh, in_specs=in_specs, out_specs=(
-        (P(), aux_specs, P()), grad_specs, P()), axis_names=set(axes), check_vma=check_vma)(
-            diff_leaves, rest, arrays, state)
+    return meshes.shard_map_keeping_axes(
+        local, mesh=layout.mesh, in_specs=in_specs, axis_names=set(axes), check_vma=check_vma,
+        out_specs=Ran(P(), aux_specs, P(), grad_specs, P(), P()))(diff_leaves, rest, arrays, state)
 
   with jax.named_scope(scope := paths.record(path)):
-    value_aux, grad_leaves, after = _typed_or_not(region, untyped_retry=not collectives)
+    ran = _typed_or_not(region, untyped_retry=not collectives)
   if chosen:
     paths.amend(scope, fsdp=f"{chosen[0].strategy}: {chosen[0].reason}")
-  return value_aux, _package(config, call, grad_leaves), after
+  return ran._replace(grads=_package(config, call, ran.grads))
 
 
 def _typed_or_not(region: Callable[[bool], Any], *, untyped_retry: bool) -> Any:
@@ -226,7 +230,7 @@ def _aux_specs(aux: Any, batch_spec: P) -> Any:
                       is_leaf=is_marker)
 
 
-def _per_rank(config: Config, layout: meshes.Layout, call: Call):
+def _per_rank(config: Config, layout: meshes.Layout, call: Call) -> Ran:
   """Inside the caller's shard_map over the data axes (per-rank code): each device's loss
   is its shard of one global loss; local sums, one reduction over the axes after the loop."""
   if config.view == "global":
@@ -248,8 +252,8 @@ def _per_rank(config: Config, layout: meshes.Layout, call: Call):
   path = paths.Path("device", "per-rank code inside a shard_map over the data axes: "
                     "local sums, one reduction after the loop", layout.data_axes)
   with jax.named_scope(paths.record(path)):
-    value_aux, grad_leaves, after = _device_loop(config, layout, call, presummed=True)
-  return value_aux, _package(config, call, grad_leaves), after
+    ran = _device_loop(config, layout, call, presummed=True)
+  return ran._replace(grads=_package(config, call, ran.grads))
 
 
 def _package(config: Config, call: Call, grad_leaves) -> Any:
@@ -271,7 +275,7 @@ def _unflatten_grads(config: Config, call: Call, leaves: list[Any]) -> Any:
 
 
 def _device_loop(config: Config, layout: meshes.Layout, call: Call, presummed: bool = False,
-                 chosen: list[fsdp_lib.Choice] | None = None, stacked: bool | None = None):
+                 chosen: list[fsdp_lib.Choice] | None = None, stacked: bool | None = None) -> Ran:
   """Inside the data-manual region: local sums over the micro-batches, then reductions
   (``presummed``: see :func:`loop`). The FSDP strategy taken is appended to ``chosen``;
   ``stacked``: see :func:`_fsdp_choice`."""
@@ -292,11 +296,11 @@ def _device_loop(config: Config, layout: meshes.Layout, call: Call, presummed: b
 
   sums = acc.local_gradients(call.diff_leaves, whole, layout.param_dims, gather_in_loop, axes,
                              config.accumulator_dtype, reduced=config.reduce)
-  value_aux, grads, local_weight, after = loop(
-      config, call, axes, whole, gather_in_loop, sums, presummed, traced=traced)
+  looped = loop(config, call, axes, whole, gather_in_loop, sums, presummed, traced=traced)
+  grads = looped.grads
   if not config.reduce:  # each device's sums, one slot per device
-    grads = ([total[None] for total in grads], meshes.vary(local_weight, axes)[None])
-  return value_aux, grads, after
+    grads = ([total[None] for total in grads], meshes.vary(looped.local_weight, axes)[None])
+  return Ran.of(looped, grads)
 
 
 def _fsdp_choice(config: Config, layout: meshes.Layout, call: Call, shards: list[Any],
@@ -329,7 +333,7 @@ def _fsdp_choice(config: Config, layout: meshes.Layout, call: Call, shards: list
 
 
 def _global(config: Config, layout: meshes.Layout, path: paths.Path,
-            reducible: frozenset[int], call: Call, direct: bool = False):
+            reducible: frozenset[int], call: Call, direct: bool = False) -> Ran:
   """Global view: the loss on the global micro-batch; leaves in ``reducible`` are typed
   ``reduced`` over the data axes (Explicit meshes) so their gradients stay unreduced
   through the loop and are reduced once after it. ``direct``: see :func:`loop`."""
@@ -343,7 +347,7 @@ def _global(config: Config, layout: meshes.Layout, path: paths.Path,
 
 
 def _global_loop(config: Config, layout: meshes.Layout, path: paths.Path,
-                 reducible: frozenset[int], call: Call, direct: bool = False):
+                 reducible: frozenset[int], call: Call, direct: bool = False) -> Ran:
   axes = layout.data_axes
   specs = [_spec_of(leaf, hint) for leaf, hint in zip(
       call.diff_leaves, layout.param_specs or [None] * len(call.diff_leaves), strict=True)]
@@ -366,10 +370,9 @@ def _global_loop(config: Config, layout: meshes.Layout, path: paths.Path,
 
   path = dataclasses.replace(path, reduced_leaves=sum(map(bool, reduced)), leaves=len(whole))
   with jax.named_scope(paths.record(path)):
-    value_aux, grads, _, after = loop(config, call, (), whole, [()] * len(whole),
-                                       dataclasses.replace(sums, finalize=finalize),
-                                       direct=direct)
-  return value_aux, grads, after
+    looped = loop(config, call, (), whole, [()] * len(whole),
+                  dataclasses.replace(sums, finalize=finalize), direct=direct)
+  return Ran.of(looped, looped.grads)
 
 
 def _spec_of(leaf: Any, hint: P | None) -> tuple[Any, ...]:
