@@ -37,7 +37,7 @@ QUICK = {"batch": 256, "layers": 4, "width": 32}
 
 
 def markdown(result: dict) -> str:
-  """The table of docs/contrastive.md."""
+  """The table of docs/notes/contrastive.md."""
   large = next(r for r in result["rows"] if r["method"] == "large batch")
   lines = md_header(["method", "k", "grad. error", "peak MiB", "x large", "loop reductions",
                      "moves", "ms", "x large"], 1)

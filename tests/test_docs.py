@@ -70,7 +70,8 @@ def test_docs_build_strict_without_warnings(site):
   output, out_dir = site
   assert "WARNING" not in output, output
   for page in ("index", "quickstart", "instep", "crossstep", "normalization", "sharding",
-               "checkpoint", "multihost", "diagnostics", "performance", "api"):
+               "checkpoint", "multihost", "diagnostics", "performance", "api",
+               "notes/analysis_coverage", "notes/jax_workarounds"):
     assert (out_dir / f"{page}.html").is_file(), f"{page}.html was not built:\n{output}"
 
 
@@ -78,7 +79,7 @@ def test_docs_site_needs_no_network(site):
   """No script or stylesheet is loaded from another host (e.g. highlight.js from a CDN)."""
   _, out_dir = site
   remote = re.compile(r"<(?:script|link)\b[^>]*\b(?:src|href)=\"(?:https?:)?//", re.IGNORECASE)
-  for page in out_dir.glob("*.html"):
+  for page in out_dir.rglob("*.html"):
     hits = remote.findall(page.read_text())
     assert not hits, f"{page.name} loads remote resources: {hits}"
 
@@ -140,7 +141,8 @@ def test_index_signatures_match_the_code():
 # the block must run, so the page's claim is checked on both sides of it).
 BLOCK = re.compile(r"(?:<!-- snippet: (skip|raises) ([^>]*?) -->\s*\n)?([ \t]*)```python\n"
                    r"(.*?)\n[ \t]*```", flags=re.DOTALL)
-PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
+PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix()
+                              for p in (ROOT / "docs").rglob("*.md"))]
 
 
 def snippets():
@@ -200,8 +202,9 @@ def check_equal_pair(out):
 
 
 def check_migrating(out):
-  """docs/migrating.md's table: fxaccum exact, the notebooks' jax.jit step untrained and
-  microbatch's summed gradient 3 times the gradient (relative error 2)."""
+  """docs/migrating.md's table (its script is in docs/notes/migrating.md): fxaccum exact,
+  the notebooks' jax.jit step untrained and microbatch's summed gradient 3 times the
+  gradient (relative error 2)."""
   errors = {line[:28].strip(): line[28:].split(",")[0] for line in out.splitlines()}
   assert float(errors["MultiSteps"]) < 1e-5 and float(errors["accumulate"]) < 1e-5, out
   assert float(errors["fxaccum.grad"]) < 1e-5, out
@@ -212,7 +215,7 @@ def check_migrating(out):
 
 # What a snippet prints that its page claims, checked beyond "it runs".
 CHECKS = {
-    "docs/migrating.md[0]": check_migrating,
+    "docs/notes/migrating.md[0]": check_migrating,
     "docs/quickstart.md[0]": check_quickstart_instep,
     "docs/quickstart.md[1]": check_calls,
     "docs/nnx.md[0]": check_nnx_instep,
@@ -229,7 +232,9 @@ CHECKS = {
     "docs/normalization.md[0]": check_equal_pair,
     "docs/diagnostics.md[2]": check_noise_scale,
     "docs/pipeline.md[1]": lambda out: float(out) < 1e-6 or pytest.fail(out),
-    "docs/pipeline.md[2]": lambda out: "4 all-gathers" in out or pytest.fail(out),
+    "docs/notes/jax_workarounds.md[2]": lambda out: (
+        "all-gathers" in out and (JAX_VERSION >= (0, 11) or "4 all-gathers" in out)
+        or pytest.fail(out)),
     "README.md[1]": lambda out: "2 optimizer steps" in out or pytest.fail(out),
     "docs/crossstep.md[1]": lambda out: "2 optimizer steps" in out or pytest.fail(out),
 }

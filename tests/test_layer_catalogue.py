@@ -35,7 +35,7 @@ SLOW = {"nnx.RNN(GRUCell)", "nnx.Bidirectional(RNN(GRUCell))", "nn.RNN(LSTMCell)
 #: (mesh, k) every case runs at in the suite: the whole batch as one micro-batch, one row
 #: per device per micro-batch, and the Explicit mesh in between. The layers that write
 #: their own params run at every (mesh, k); `python -m tests.layer_catalogue` sweeps every
-#: layer at every (mesh, k) (the table in docs/nnx.md), in about 6 minutes.
+#: layer at every (mesh, k) (the table in docs/notes/analysis_coverage.md), in about 6 minutes.
 SUITE = {("Auto", 1), ("Auto", 4), ("Explicit", 2)}
 EVERYWHERE = {"nnx.WeightNorm", "nnx.SpectralNorm"}
 
