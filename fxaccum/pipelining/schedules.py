@@ -164,7 +164,7 @@ def pipeline(
   elif meshes.kept_axes(mesh, set(manual)):
     # JAX 0.10.2 cannot differentiate through such a region (its scalar residuals are
     # "closed over" Explicit-typed values): the vjp runs inside a region of its own,
-    # recomputing the forward scan (docs/pipeline.md, "Meshes and axis types").
+    # recomputing the forward scan (docs/notes/jax_workarounds.md).
     backward = _vjp_of(body)
   else:
     backward = None
