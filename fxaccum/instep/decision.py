@@ -80,7 +80,8 @@ def forced_zero3_refusal(blocker: str) -> str:
 def zero3_blocker(leaves: Sequence[Any], layout: meshes.Layout) -> str | None:
   """Why zero3 cannot gather a param in the loop: JAX 0.10.2 cannot differentiate an
   all_gather over a manual data axis of a value also sharded over an ``Explicit`` non-data
-  axis (an AssertionError in its sharding rule, without fxaccum too; docs/notes/jax_workarounds.md)."""
+  axis (an AssertionError in its sharding rule, without fxaccum too;
+  docs/notes/jax_workarounds.md)."""
   for i, (leaf, dims) in enumerate(zip(leaves, layout.param_dims, strict=True)):
     other = {a for entry in jax.typeof(leaf).sharding.spec for a in meshes.spec_axes(entry)}
     other -= set(layout.data_axes)
