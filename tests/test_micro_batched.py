@@ -382,31 +382,35 @@ def fsdp_tower(p, x):
   return mm(h, p["w_out"])
 
 
-def test_fsdp_params_on_an_explicit_mesh_keep_their_sharding():
+FSDP_SPECS = {"w_in": P(None, "data"), "w": P(None, None, "data"), "b": P(),
+              "w_out": P(None, "data")}
+
+
+def tower_loss(p, x, tower):
+  return contrastive(tower(p, x))
+
+
+@functools.cache
+def fsdp_reference():
+  """The image tower's problem and ``jax.value_and_grad`` of its contrastive loss."""
   params, batch = make_problem()
-  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
-
-  def loss(p, x, tower):
-    return contrastive(tower(p, x))
-
-  ref_value, ref_grads = jax.jit(jax.value_and_grad(loss), static_argnums=2)(
+  return params, batch, *jax.jit(jax.value_and_grad(tower_loss), static_argnums=2)(
       params["img"], batch["img"], residual_tower)
-  specs = {"w_in": P(None, "data"), "w": P(None, None, "data"), "b": P(),
-           "w_out": P(None, "data")}
+
+
+def test_fsdp_params_on_an_explicit_mesh_keep_their_sharding():
+  params, batch, ref_value, ref_grads = fsdp_reference()
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
   with jax.set_mesh(mesh):
-    sharded = {n: jax.device_put(a, NamedSharding(mesh, specs[n]))
+    sharded = {n: jax.device_put(a, NamedSharding(mesh, FSDP_SPECS[n]))
                for n, a in params["img"].items()}
     tower = fxaccum.micro_batched(fsdp_tower, micro_batches=4)
-    value, grads = jax.jit(jax.value_and_grad(functools.partial(loss, tower=tower)))(
+    value, grads = jax.jit(jax.value_and_grad(functools.partial(tower_loss, tower=tower)))(
         sharded, on_mesh(batch["img"], mesh, batch=True))
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
   assert_tree_close(grads, ref_grads)
   assert {n: g.sharding.spec for n, g in grads.items()} == {
-      n: P(*s, *[None] * (params["img"][n].ndim - len(s))) for n, s in specs.items()}
-
-
-FSDP_SPECS = {"w_in": P(None, "data"), "w": P(None, None, "data"), "b": P(),
-              "w_out": P(None, "data")}
+      n: P(*s, *[None] * (params["img"][n].ndim - len(s))) for n, s in FSDP_SPECS.items()}
 
 
 def trimmed(spec):
@@ -421,17 +425,11 @@ def test_fsdp_params_on_an_auto_mesh_inside_jit_keep_their_sharding_with_param_s
   """Inside jax.jit on an Auto mesh JAX does not show the params' sharding: given as
   param_shardings (value_and_grad's spelling), the backward keeps them sharded and
   reduce-scatters their gradients (without it: gathered, replicated gradients)."""
-  params, batch = make_problem()
+  params, batch, ref_value, ref_grads = fsdp_reference()
   mesh = mesh_of((8,), ("data",), AxisType.Auto)
-
-  def loss(p, x, tower):
-    return contrastive(tower(p, x))
-
-  ref_value, ref_grads = jax.jit(jax.value_and_grad(loss), static_argnums=2)(
-      params["img"], batch["img"], residual_tower)
   tower = fxaccum.micro_batched(residual_tower, micro_batches=4,
                                 param_shardings=(FSDP_SPECS, None))
-  step = jax.jit(jax.value_and_grad(functools.partial(loss, tower=tower)))
+  step = jax.jit(jax.value_and_grad(functools.partial(tower_loss, tower=tower)))
   with jax.set_mesh(mesh):
     args = ({n: jax.device_put(a, NamedSharding(mesh, FSDP_SPECS[n]))
              for n, a in params["img"].items()}, on_mesh(batch["img"], mesh, batch=True))

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from fxaccum import analysis as analysis_lib
 from fxaccum import markers, meshes
 from fxaccum.analysis import symbolic
+from fxaccum.instep import fsdp as fsdp_lib
 from fxaccum.instep import gather as gather_lib
 from fxaccum.instep import paths
 from fxaccum.instep.additivity import Role, classify
@@ -48,6 +49,9 @@ class Decision(NamedTuple):
     stacked: whether its micro-step scans over stacked FSDP params
       (:func:`fxaccum.instep.gather.per_layer`; None where it traced none).
     collectives: the loss names the data axes in collectives (it runs only per device).
+    fsdp: the per-device view's FSDP strategy, where it is chosen before the view runs
+      (named in ``fsdp=``, or read from the analysis's micro-step); None where there is
+      none to choose, or where only the loss's forward pass, traced in the view, says.
   """
 
   path: paths.Path
@@ -55,6 +59,7 @@ class Decision(NamedTuple):
   aux: Any = None
   stacked: bool | None = None
   collectives: bool = False
+  fsdp: fsdp_lib.Choice | None = None
 
 
 def decide(config: Config, layout: meshes.Layout, call: Call) -> Decision:
@@ -62,13 +67,29 @@ def decide(config: Config, layout: meshes.Layout, call: Call) -> Decision:
   decision = _view(config, layout, call)
   blocker = zero3_blocker(call.diff_leaves, layout) if config.fsdp == "zero3" else None
   if decision.path.view != "device" or blocker is None:
-    return decision
+    return _with_fsdp(config, layout, call, decision)
   if config.view == "device":
     raise ValueError(f"view='device' could not run the loss per device: "
                      f"{forced_zero3_refusal(blocker)}.")
   return Decision(dataclasses.replace(decision.path, view="global",
                                       reason=forced_zero3_refusal(blocker)),
                   decision.reducible)
+
+
+def _with_fsdp(config: Config, layout: meshes.Layout, call: Call,
+               decision: Decision) -> Decision:
+  """``decision`` with its FSDP strategy, where it can be chosen before the per-device
+  view runs (else the view chooses it from the loss's forward pass and amends the path)."""
+  if decision.path.view != "device" or not any(layout.param_dims):
+    return decision
+  if config.fsdp != "auto":
+    choice = fsdp_lib.forced(config.fsdp)
+  elif decision.stacked is not None:
+    choice = fsdp_lib.choose(decision.stacked, zero3_blocker(call.diff_leaves, layout))
+  else:
+    return decision
+  return decision._replace(fsdp=choice, path=dataclasses.replace(
+      decision.path, fsdp=f"{choice.strategy}: {choice.reason}"))
 
 
 def forced_zero3_refusal(blocker: str) -> str:

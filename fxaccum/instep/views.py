@@ -69,7 +69,7 @@ def run_call(config: Config, layout: meshes.Layout, kwargs: dict,
     path = decision.path
     if path.view == "device":
       ran, err = attempt(_device, config, layout, path, call, decision.aux,
-                         decision.stacked, decision.collectives)
+                         decision.stacked, decision.collectives, decision.fsdp)
       if err is not None:  # the loss did not trace per device
         if config.view == "device":
           raise ValueError(
@@ -141,11 +141,13 @@ def _direct(config: Config, layout: meshes.Layout, call: Call) -> Ran | None:
 
 
 def _device(config: Config, layout: meshes.Layout, path: paths.Path, call: Call,
-            traced_aux: Any = None, stacked: bool | None = None, collectives: bool = False) -> Ran:
+            traced_aux: Any = None, stacked: bool | None = None, collectives: bool = False,
+            decided: fsdp_lib.Choice | None = None) -> Ran:
   """Per-device view: a shard_map manual over the data axes, one reduction after the loop.
   ``traced_aux`` and ``stacked``: the aux as the view analysis traced it (its markers),
   and whether its micro-step scans over stacked FSDP params, if it traced one;
-  ``collectives``: the loss names the data axes in collectives."""
+  ``collectives``: the loss names the data axes in collectives; ``decided``: the FSDP
+  strategy the decision chose (None: chosen here, and the path amended)."""
   axes = layout.data_axes
   batch_spec = P(axes)
   rest_specs = tuple(_specs_like(a, batch_spec if i in config.batch_argnums else P())
@@ -169,7 +171,8 @@ def _device(config: Config, layout: meshes.Layout, path: paths.Path, call: Call,
   chosen: list[fsdp_lib.Choice] = []  # the FSDP strategy, chosen in the region
 
   def local(*args):
-    return _device_loop(config, layout, local_call(*args), chosen=chosen, stacked=stacked)
+    return _device_loop(config, layout, local_call(*args), chosen=chosen, stacked=stacked,
+                        decided=decided)
 
   in_specs = (param_specs, rest_specs, [P()] * len(arrays), P())
   grad_specs = param_specs if config.reduce else (
@@ -202,7 +205,7 @@ def _device(config: Config, layout: meshes.Layout, path: paths.Path, call: Call,
 
   with jax.named_scope(scope := paths.record(path)):
     ran = _typed_or_not(region, untyped_retry=not collectives)
-  if chosen:
+  if chosen and decided is None:  # chosen in the region, from the loss's forward pass
     paths.amend(scope, fsdp=f"{chosen[0].strategy}: {chosen[0].reason}")
   return ran._replace(grads=_package(config, call, ran.grads))
 
@@ -275,7 +278,8 @@ def _unflatten_grads(config: Config, call: Call, leaves: list[Any]) -> Any:
 
 
 def _device_loop(config: Config, layout: meshes.Layout, call: Call, presummed: bool = False,
-                 chosen: list[fsdp_lib.Choice] | None = None, stacked: bool | None = None) -> Ran:
+                 chosen: list[fsdp_lib.Choice] | None = None, stacked: bool | None = None,
+                 decided: fsdp_lib.Choice | None = None) -> Ran:
   """Inside the data-manual region: local sums over the micro-batches, then reductions
   (``presummed``: see :func:`loop`). The FSDP strategy taken is appended to ``chosen``;
   ``stacked``: see :func:`_fsdp_choice`."""
@@ -284,7 +288,7 @@ def _device_loop(config: Config, layout: meshes.Layout, call: Call, presummed: b
   shards = meshes.vary(list(call.diff_leaves), axes)
   strategy, traced = "zero2", None
   if any(layout.param_dims):
-    choice, traced = _fsdp_choice(config, layout, call, shards, stacked)
+    choice, traced = _fsdp_choice(config, layout, call, shards, stacked, decided)
     strategy = choice.strategy
     if chosen is not None:
       chosen.append(choice)
@@ -304,11 +308,12 @@ def _device_loop(config: Config, layout: meshes.Layout, call: Call, presummed: b
 
 
 def _fsdp_choice(config: Config, layout: meshes.Layout, call: Call, shards: list[Any],
-                 stacked: bool | None) -> tuple[fsdp_lib.Choice, gather_lib.Traced | None]:
-  """The FSDP strategy of this step (:mod:`fxaccum.instep.fsdp`) and, for zero3, the loss traced
-  on whole params, which its loop runs on the shards. ``stacked``: whether the view
-  analysis's micro-step scans over stacked FSDP params (None: it traced none; the loss's
-  forward pass is read instead)."""
+                 stacked: bool | None, decided: fsdp_lib.Choice | None = None
+                 ) -> tuple[fsdp_lib.Choice, gather_lib.Traced | None]:
+  """The FSDP strategy of this step (:mod:`fxaccum.instep.fsdp`): ``decided`` where the
+  decision chose it, and, for zero3, the loss traced on whole params, which its loop runs
+  on the shards. ``stacked``: whether the view analysis's micro-step scans over stacked
+  FSDP params (None: it traced none; the loss's forward pass is read instead)."""
   if config.fsdp in ("zero1", "zero2"):
     return fsdp_lib.forced(config.fsdp), None
   blocker = zero3_blocker(call.diff_leaves, layout)
@@ -320,8 +325,9 @@ def _fsdp_choice(config: Config, layout: meshes.Layout, call: Call, shards: list
     return gather_lib.trace(micro_loss(config, call), shards, layout.param_dims, micro,
                             jnp.int32(0), call.state)
 
-  if config.fsdp == "zero3":
-    return fsdp_lib.forced("zero3"), traced()
+  if decided is not None or config.fsdp == "zero3":
+    choice = decided or fsdp_lib.forced("zero3")
+    return choice, traced() if choice.strategy == "zero3" else None
   forward = None
   if stacked is None:  # the view analysis traced no micro-step: read the forward pass
     forward = traced()
