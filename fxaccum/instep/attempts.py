@@ -19,6 +19,7 @@ any failure.
 from __future__ import annotations
 
 import os
+import sysconfig
 import traceback
 import warnings
 from collections.abc import Callable
@@ -30,6 +31,7 @@ __all__ = ["JAX_GAPS", "Attempt", "attempt"]
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _JAX = tuple(os.path.join(os.sep, name, "") for name in ("jax", "jaxlib"))
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"])  # (site-packages aside: below)
 _WARNED: set[tuple[str, int]] = set()
 
 # JAX's own errors for what it cannot do yet, which fxaccum's code meets too (e.g. the
@@ -78,17 +80,24 @@ def _known(err: Exception) -> bool:
 
 
 def _from_the_loss(err: BaseException) -> bool:
-  """Whether code outside fxaccum and JAX (the loss, its model, its libraries) ran in the
-  traceback of ``err`` or of the errors it came from."""
+  """Whether code outside fxaccum, JAX and Python's standard library (the loss, its model,
+  its libraries) ran in the traceback of ``err`` or of the errors it came from."""
   seen: set[int] = set()
   while err is not None and id(err) not in seen:
     seen.add(id(err))
     for frame in traceback.extract_tb(err.__traceback__):
       path = os.path.abspath(frame.filename)
-      if not path.startswith(_PACKAGE) and not any(part in path for part in _JAX):
+      if not (path.startswith(_PACKAGE) or any(part in path for part in _JAX)
+              or _standard(path)):
         return True
     err = err.__cause__ or err.__context__  # type: ignore[assignment]
   return False
+
+
+def _standard(path: str) -> bool:
+  """Whether ``path`` is a module of Python's standard library (not an installed one)."""
+  return ((path.startswith(_STDLIB) and "site-packages" not in path)
+          or os.path.basename(path).startswith("<frozen"))
 
 
 def _internal(err: Exception) -> None:
