@@ -19,18 +19,23 @@ any failure.
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
 import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import jax
+import jaxlib
+
 from fxaccum.analysis.interpreter import RULE_ERRORS
 
 __all__ = ["JAX_GAPS", "Attempt", "attempt"]
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_JAX = tuple(os.path.join(os.sep, name, "") for name in ("jax", "jaxlib"))
+# fxaccum's, JAX's and jaxlib's folders (with the separator: not jax_plugins, jaxtyping)
+_OURS = tuple(os.path.join(os.path.dirname(os.path.abspath(str(m.__file__))), "")
+              for m in (sys.modules["fxaccum"], jax, jaxlib))
 _STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"])  # (site-packages aside: below)
 _WARNED: set[tuple[str, int]] = set()
 
@@ -87,8 +92,7 @@ def _from_the_loss(err: BaseException) -> bool:
     seen.add(id(err))
     for frame in traceback.extract_tb(err.__traceback__):
       path = os.path.abspath(frame.filename)
-      if not (path.startswith(_PACKAGE) or any(part in path for part in _JAX)
-              or _standard(path)):
+      if not (path.startswith(_OURS) or _standard(path)):
         return True
     err = err.__cause__ or err.__context__  # type: ignore[assignment]
   return False
