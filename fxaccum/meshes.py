@@ -42,7 +42,8 @@ from jax.sharding import PartitionSpec as P
 __all__ = [
     "CONVENTIONAL_DATA_AXES", "DataDims", "Layout", "as_data_axes", "axes_of_type", "conform",
     "explicit", "find_mesh", "known_spec", "missing_axes",
-    "layout_of", "linen_rules_without_manual_axes", "shard_map_keeping_axes", "spec_axes",
+    "layout_of", "linen_rules_without_manual_axes", "named_axes", "shard_map_keeping_axes",
+    "spec_axes",
     "spec_entry", "tracks_varying", "vary", "varying_axes",
 ]
 
@@ -147,6 +148,11 @@ def spec_axes(entry: Any) -> tuple[str, ...]:
   if entry is None:
     return ()
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def named_axes(spec: Any) -> set[str]:
+  """The mesh axes a PartitionSpec (or its entries) names."""
+  return {a for entry in spec for a in spec_axes(entry)}
 
 
 def spec_entry(axes: Sequence[str]) -> Any:

@@ -248,12 +248,11 @@ def _per_device_zeros(tree: Any, mesh: Any, axes: tuple[str, ...], dtype: Any) -
   slot is sharded like its leaf on the other axes (e.g. tensor-parallel ``model``), so the
   state a gated step returns is laid out like the state it took."""
   devices = math.prod(mesh.shape[a] for a in axes)
-  explicit = all(t == jax.sharding.AxisType.Explicit
-                 for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if a in axes)
+  explicit = meshes.explicit(mesh, axes)
 
   def zeros(leaf):
     spec = meshes.known_spec(leaf)
-    if set(axes) & {a for entry in spec for a in meshes.spec_axes(entry)}:
+    if set(axes) & meshes.named_axes(spec):
       raise ValueError(
           f"accumulate(data_axes={axes}) keeps one full gradient sum per device, so it needs "
           f"params replicated over {axes}, but a param of shape {jnp.shape(leaf)} is sharded "

@@ -29,7 +29,7 @@ from fxaccum.instep.call import Call, Config, micro_batch_avals, written_leaves
 from fxaccum.markers import is_marker
 
 __all__ = ["ONE_DEVICE", "Decision", "analyses", "decide", "first_line",
-           "forced_zero3_refusal", "named", "no_device_reason", "zero3_blocker"]
+           "forced_zero3_refusal", "no_device_reason", "zero3_blocker"]
 
 # The reason on a mesh whose data axes hold one device, for either view: true for every
 # loss there (the analysis reads one size only, so how values scale is not known).
@@ -104,8 +104,7 @@ def zero3_blocker(leaves: Sequence[Any], layout: meshes.Layout) -> str | None:
   axis (an AssertionError in its sharding rule, without fxaccum too;
   docs/notes/jax_workarounds.md)."""
   for i, (leaf, dims) in enumerate(zip(leaves, layout.param_dims, strict=True)):
-    other = {a for entry in jax.typeof(leaf).sharding.spec for a in meshes.spec_axes(entry)}
-    other -= set(layout.data_axes)
+    other = meshes.named_axes(jax.typeof(leaf).sharding.spec) - set(layout.data_axes)
     if dims and meshes.explicit(layout.mesh, sorted(other)):
       return (f"param leaf {i} is sharded over the Explicit axes {sorted(other)} too, and "
               f"JAX {jax.__version__} fails to differentiate its gather inside the loop")
@@ -296,18 +295,14 @@ def _gathered(leaf: Any, data_axes: tuple[str, ...], batch: bool = False) -> Any
   """
   aval = jax.typeof(leaf)
   sharding = getattr(aval, "sharding", None)
-  if not isinstance(sharding, NamedSharding) or not named(sharding.spec) & set(data_axes):
+  if (not isinstance(sharding, NamedSharding)
+      or not meshes.named_axes(sharding.spec) & set(data_axes)):
     return leaf if not batch else jax.ShapeDtypeStruct(aval.shape, aval.dtype,
                                                       sharding=sharding)
   spec = P(*(tuple(a for a in meshes.spec_axes(e) if a not in data_axes) or None
              for e in sharding.spec))
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
                               sharding=NamedSharding(sharding.mesh, spec))
-
-
-def named(spec: Any) -> set[str]:
-  """The mesh axes a PartitionSpec names."""
-  return {a for entry in spec for a in meshes.spec_axes(entry)}
 
 
 def first_line(err: BaseException) -> str:

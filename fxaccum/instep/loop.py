@@ -9,7 +9,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +41,6 @@ from fxaccum.markers import (
   safe_divide,
 )
 from fxaccum.statistics import NOISE_TERMS, Statistics, noise_terms, sq_norm
-
-if TYPE_CHECKING:
-  pass
 
 __all__ = ["Looped", "StatisticsPerDevice", "loop"]
 

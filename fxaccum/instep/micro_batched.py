@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
@@ -25,6 +24,7 @@ from jax import lax
 from fxaccum import markers, meshes, split
 from fxaccum.instep import api, paths
 from fxaccum.instep.call import is_array
+from fxaccum.instep.invoke import nnx_loaded
 from fxaccum.instep.keys import looked_at, warn_shared_keys
 
 __all__ = ["micro_batched"]
@@ -182,7 +182,9 @@ def _call(spec: _Spec, args: tuple, kwargs: dict) -> Any:
 def _parts(spec: _Spec, given: tuple, kwargs: dict) -> _Parts:
   """Splits the arguments into leaves by role; NNX modules into their ``nnx.Param``s."""
   args = list(given)
-  graphdefs = {i: _nnx_params(spec, i, a) for i, a in enumerate(args) if _is_graph_node(a)}
+  nnx_lib = nnx_loaded()
+  graphdefs = {i: _nnx_params(spec, i, a) for i, a in enumerate(args)
+               if nnx_lib and nnx_lib.is_graph_node(a)}
   for i, (_, params) in graphdefs.items():
     if i in spec.batch_argnums or i in spec.rng_argnums:
       raise TypeError(f"{spec.name}: argument {i} is an NNX module; it cannot be the batch "
@@ -340,13 +342,6 @@ def _zero_cotangent(x: jax.Array) -> jax.Array:
   if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
     return jnp.zeros_like(x)
   return jnp.zeros(jnp.shape(x), jax.dtypes.float0)
-
-
-def _is_graph_node(x: Any) -> bool:
-  if "flax.nnx" not in sys.modules:
-    return False
-  from fxaccum.integrations import nnx_modules  # imports flax, loaded already
-  return nnx_modules.is_graph_node(x)
 
 
 def _nnx_params(spec: _Spec, i: int, node: Any) -> tuple[Any, Any]:

@@ -3,8 +3,9 @@
 Per traced call, the view the decision (:mod:`fxaccum.instep.decision`) took: per
 device, inside a ``shard_map`` manual over the data axes, with the gradients summed
 locally and reduced over the data axes once after the loop; or on the global
-micro-batch, as ``jax.value_and_grad`` runs it. In the per-device view the FSDP
-strategy (:mod:`fxaccum.instep.fsdp`) is chosen here.
+micro-batch, as ``jax.value_and_grad`` runs it. The per-device view takes the FSDP
+strategy (:mod:`fxaccum.instep.fsdp`) the decision chose, or chooses it from the loss's
+forward pass where the analysis traced no micro-step.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from fxaccum.instep.decision import (
     decide,
     first_line,
     forced_zero3_refusal,
-    named,
     no_device_reason,
     zero3_blocker,
 )
@@ -357,7 +357,7 @@ def _global_loop(config: Config, layout: meshes.Layout, path: paths.Path,
   axes = layout.data_axes
   specs = [_spec_of(leaf, hint) for leaf, hint in zip(
       call.diff_leaves, layout.param_specs or [None] * len(call.diff_leaves), strict=True)]
-  reduced = [frozenset(a for a in axes if a not in named(spec)) if i in reducible
+  reduced = [frozenset(a for a in axes if a not in meshes.named_axes(spec)) if i in reducible
              else frozenset() for i, spec in enumerate(specs)]
   whole = [jax.sharding.reshard(leaf, P(*spec, reduced=r)) if r else leaf
            for leaf, spec, r in zip(call.diff_leaves, specs, reduced, strict=True)]
