@@ -1,7 +1,10 @@
 """How often fxaccum traces the loss per ``jax.jit(...).lower``: at most twice (the view
-analysis's trace and the loop's) in every path: aux, Statistics, FSDP, k = 1, forced
-views, a key, NNX modules. Compile time grows with each trace of a large model. Two
-paths take a third, pinned so they do not take more: the first call with a shared key
+analysis's trace and the loop's) in every path: aux, Statistics, FSDP, k = 1 (once: the
+loop runs the decision's trace), forced views, a key, NNX modules. Compile time grows
+with each trace of a large model. Three paths take a third, pinned so they do not take
+more: a loss that names the data axes in collectives (the analysis's global trace stops
+at the collective; its aux and FSDP layers are then read in the per-device region, once,
+where before the region read each again: 5 traces), the first call with a shared key
 (the shared-key warning's own trace, once per loss function), and a global view on an
 Explicit mesh whose loss fails with params typed ``reduced`` (traced again without).
 """
@@ -55,6 +58,11 @@ def with_statistics(params, batch):
   return weighted(params, batch), fxaccum.Statistics()
 
 
+def with_collective(params, batch):
+  """Names the data axis in a collective: it traces only in the per-device region."""
+  return weighted(params, batch), {"devices": jax.lax.psum(1, "data")}
+
+
 def with_dropout(params, batch, key):
   keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
   return weighted(params, {**batch, "x": jnp.where(keep, batch["x"] * 2, 0.0)})
@@ -66,7 +74,8 @@ CASES = {
     "aux": (with_aux, {"has_aux": True}, {}, 2),
     "statistics": (with_statistics, {"has_aux": True}, {}, 2),
     "fsdp": (weighted, {"fsdp": "zero3"}, FSDP_SPECS, 2),
-    "k=1": (weighted, {"micro_batches": 1}, {}, 2),
+    "k=1": (weighted, {"micro_batches": 1}, {}, 1),
+    "collectives": (with_collective, {"view": "device", "has_aux": True}, FSDP_SPECS, 3),
     "view=device": (weighted, {"view": "device"}, {}, 2),
     "view=global": (weighted, {"view": "global"}, {}, 2),
     "folded key": (with_dropout, {"rng_argnums": 2}, {}, 2),

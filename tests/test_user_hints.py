@@ -153,6 +153,10 @@ def test_no_warning_with_rng_argnums_or_without_a_batch_axis_under_jit():
   key = jax.random.key(1)
   assert shared_warnings(dropout_loss(), key, rng_argnums=2)[0] == []
   assert shared_warnings(projection_loss(), key)[0] == []
+  with warnings.catch_warnings(record=True) as caught:  # one micro-batch shares with none
+    warnings.simplefilter("always")
+    fxaccum.value_and_grad(dropout_loss(), micro_batches=1)(W, (X, Y), key)
+  assert not [w for w in caught if "PRNG key" in str(w.message)]
   loss = dropout_loss()
   with pytest.warns(UserWarning, match="rng_argnums=2"):
     jax.jit(fxaccum.value_and_grad(loss, micro_batches=4))(W, (X, Y), key)

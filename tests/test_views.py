@@ -879,23 +879,24 @@ def test_an_internal_error_fails_tests_and_warns_users_instead_of_a_silent_slow_
   """A trace of the loss that fails in the loss's own code is a fact the decision records
   (another view, exact). A failure without the loss's code in its traceback is fxaccum's
   bug: it raises under the test suite (``FXACCUM_RULE_ERRORS=raise``, set by conftest) and
-  warns users once, asking for a report, instead of turning silently into the global
-  view."""
+  warns users once, asking for a report, instead of turning silently into another way to
+  run the loss."""
   from fxaccum.analysis import interpreter
-  from fxaccum.instep import attempts, views
+  from fxaccum.instep import attempts, decision
 
   own = attempts.attempt(lambda: jnp.zeros((-1,)))  # the caller's code raised: a fact
   assert own.value is None and own.error is not None
   with pytest.raises((TypeError, ValueError)):
     attempts.attempt(jnp.zeros, (-1,))  # only JAX and fxaccum in its traceback
 
-  # A bug in the per-device executor: a call that raises without code of the caller's (a
-  # function defined here would count as the loss's code).
-  monkeypatch.setattr(views, "_device_loop", math.sqrt)
+  # A bug in the decision's trace of one micro-batch as jax.value_and_grad runs it: a call
+  # that raises without code of the caller's (a function defined here would count as the
+  # loss's code).
+  monkeypatch.setattr(decision, "trace_step", math.sqrt)
   mesh = mesh_of((8,), ("data",), AxisType.Explicit)
-  step = fxaccum.value_and_grad(weighted_loss, micro_batches=4)
+  step = fxaccum.value_and_grad(weighted_loss, micro_batches=1)
   with jax.set_mesh(mesh):
-    args = (put(make_params(), mesh, {}), put(make_data(k=4), mesh, DATA))
+    args = (put(make_params(), mesh, {}), put(make_data(k=1), mesh, DATA))
     with pytest.raises(TypeError, match="sqrt"):
       jax.jit(step).lower(*args)
     monkeypatch.delenv(interpreter.RULE_ERRORS)
@@ -903,6 +904,7 @@ def test_an_internal_error_fails_tests_and_warns_users_instead_of_a_silent_slow_
     with pytest.warns(RuntimeWarning, match="internal error.*TypeError.*report"):
       value, grads = jax.jit(step)(*args)
     rep = diagnostics.report(jax.jit(step), *args)
-  assert [p.view for p in rep.paths] == ["global"], rep.paths
+  # Decided as for more micro-batches: the per-device view, exact.
+  assert [p.view for p in rep.paths] == ["device"], rep.paths
   assert_tree_close((value, grads), jax.value_and_grad(reference_token_mean)(
-      make_params(), make_data(k=4)))
+      make_params(), make_data(k=1)))

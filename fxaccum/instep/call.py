@@ -20,7 +20,7 @@ from fxaccum.markers import is_marker, weight_dtype
 if TYPE_CHECKING:
   from fxaccum.integrations import nnx_modules
 
-__all__ = ["Call", "Config", "LossKind", "Threaded", "is_array", "micro_batch_avals",
+__all__ = ["Call", "Config", "Kind", "LossKind", "Threaded", "is_array", "micro_batch_avals",
            "micro_loss", "written_leaves"]
 
 
@@ -84,16 +84,15 @@ class Call:
   kwargs: dict[str, Any]
   state: Threaded = Threaded()
   modules: nnx_modules.Modules | None = None
-  # Appended by each trace of the loss: what it returned (see LossKind).
-  kinds: list[LossKind] = dataclasses.field(default_factory=list, compare=False)
 
   def batch(self, config: Config) -> dict[int, Any]:
     return {i: self.rest[i] for i in config.batch_argnums}
 
   def loss(self, config: Config, diff_leaves, micro, index, state) -> tuple[Any, ...]:
     """``fun`` on micro-batch ``micro`` (number ``index``) with the threaded ``state``, as
-    ``(total, weight, aux, state, sown)``; the state returned holds the values the loss
-    wrote into differentiated leaves (:attr:`Threaded.params`)."""
+    ``(total, weight, aux, state, sown, kind)``; the state returned holds the values the
+    loss wrote into differentiated leaves (:attr:`Threaded.params`), ``kind`` is
+    :class:`Kind`."""
     call_args = list(self.rest)
     for i in config.batch_argnums:
       call_args[i] = micro[i]
@@ -120,8 +119,7 @@ class Call:
           "fxaccum.value_and_unreduced_grad feeds a gate that averages its calls by their "
           "weights, but the loss returned fxaccum.Sum (already normalized). Return "
           "fxaccum.Weighted(total, count) from the loss instead.")
-    self.kinds.append(kind)
-    return total, weight, aux, state, sown
+    return total, weight, aux, state, sown, Kind(kind)
 
 
 def _threaded(aux: Any, threaded: tuple[Any, ...], config: Config) -> tuple[Any, ...]:
@@ -156,11 +154,11 @@ def _written(read: list[Any], after: list[Any]) -> tuple[Any, ...]:
 
 def written_leaves(closed: Any, shapes: Any) -> tuple[bool, ...]:
   """Per differentiated leaf, whether the micro-step traced as ``closed`` (its outputs
-  ``shapes``: ``((total, (weight, aux, state, sown)), grads)``, its first inputs the
+  ``shapes``: ``((total, (weight, aux, state, sown, kind)), grads)``, its first inputs the
   differentiated leaves) wrote another value into it: a :attr:`Threaded.params` leaf
   whose output the jaxpr does not forward from the leaf's input (a param set again to
   the value it read, as ``nnx.remat`` sets its params back, is no write)."""
-  (total, (weight, aux, state, _)), _ = shapes
+  (total, (weight, aux, state, _, _)), _ = shapes
   first = len(jax.tree.leaves((total, weight, aux, state.modules, state.arguments)))
   outs = iter(closed.jaxpr.outvars[first:])
   return tuple(value is not None and not jaxprs.forwards(
@@ -193,6 +191,16 @@ def _split_output(out: Any, has_aux: bool) -> tuple[Any, Any]:
 
 # What a loss returned: a scalar mean over its micro-batch, fxaccum.Weighted or fxaccum.Sum.
 LossKind = Literal["mean", "weighted", "sum"]
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """What the loss returned (:data:`LossKind`), as a traced micro-step's outputs hold it: a
+  pytree node without leaves, so it is read from the outputs' tree (``return_shape``)
+  without changing the jaxpr."""
+
+  value: LossKind
 
 
 def _total_and_weight(loss: Any) -> tuple[jax.Array, jax.Array, LossKind]:
@@ -228,8 +236,8 @@ def is_array(x: Any) -> bool:
 
 def micro_loss(config: Config, call: Call) -> Callable[..., Any]:
   """``fun`` on a micro-batch as the loop differentiates it: ``(whole params, micro-batch,
-  index, state) -> (total, (weight, aux, state, sown))``."""
+  index, state) -> (total, (weight, aux, state, sown, kind))``."""
   def micro_loss(full, micro, index, state):
-    total, weight, aux, state, sown = call.loss(config, full, micro, index, state)
-    return total, (weight, aux, state, sown)
+    total, *rest = call.loss(config, full, micro, index, state)
+    return total, tuple(rest)
   return micro_loss

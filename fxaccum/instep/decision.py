@@ -1,10 +1,14 @@
-"""The view decision: which view runs the loss, and why.
+"""The decision: everything about how one traced call runs, made before anything runs.
 
-:func:`decide` traces one micro-step (:func:`analyses`), has :mod:`fxaccum.analysis` read
-how each of its outputs depends on the examples, and takes the per-device view where
-:func:`fxaccum.instep.additivity.classify` finds that per-device results add up to the
-global ones, and nothing blocks it; otherwise the global view. Its :class:`Decision` is
-what the executors (:mod:`fxaccum.instep.views`) run.
+:func:`decide` takes, from traces of one micro-step: the k = 1 shortcut (the step as
+``jax.value_and_grad`` runs it); the view, where :mod:`fxaccum.analysis` reads how each
+output of the micro-step depends on the examples (:func:`fxaccum.instep.analysed.analyses`)
+and :func:`fxaccum.instep.additivity.classify` finds whether per-device results add up to
+the global ones, and nothing blocks it; the per-device view's FSDP strategy; and the
+global view's leaves kept ``reduced``. :func:`per_rank` decides for per-rank code, inside
+the caller's ``shard_map``. A trace of the loss that fails in the loss's code is a fact
+the decision records as its reason. Its :class:`Decision` is what the executors
+(:mod:`fxaccum.instep.views`) run, without deciding, retrying or amending it.
 """
 
 from __future__ import annotations
@@ -14,28 +18,36 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-from jax.sharding import NamedSharding
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fxaccum import analysis as analysis_lib
-from fxaccum import markers, meshes
-from fxaccum.analysis import symbolic
+from fxaccum import meshes
 from fxaccum.instep import fsdp as fsdp_lib
 from fxaccum.instep import gather as gather_lib
 from fxaccum.instep import paths
-from fxaccum.instep.additivity import Role, classify
+from fxaccum.instep import region as region_lib
+from fxaccum.instep.additivity import classify
+from fxaccum.instep.analysed import NoDeviceTrace, analyses, first_line
 from fxaccum.instep.attempts import attempt
-from fxaccum.instep.call import Call, Config, micro_batch_avals, written_leaves
-from fxaccum.markers import is_marker
+from fxaccum.instep.call import Call, Config
+from fxaccum.instep.micro_step import MicroStep, trace_step
 
-__all__ = ["ONE_DEVICE", "Decision", "analyses", "decide", "first_line",
-           "forced_zero3_refusal", "no_device_reason", "zero3_blocker"]
+__all__ = ["CLOSURE", "ONE_DEVICE", "Decision", "decide", "forced_zero3_refusal",
+           "global_specs", "per_rank", "zero3_blocker"]
 
 # The reason on a mesh whose data axes hold one device, for either view: true for every
 # loss there (the analysis reads one size only, so how values scale is not known).
 ONE_DEVICE = ("one data-parallel device: its rows are the global micro-batch, so the device "
               "and global views run the loss on the same rows (nothing is added up over "
               "devices)")
+
+
+# The reason where the loss closes over a value the per-device region cannot take.
+CLOSURE = ("the loss closes over a traced value typed on an Explicit mesh, which JAX "
+           "0.10.2 cannot take into the per-device region: pass it to the loss as an "
+           "argument (or keyword argument) to take the fast path")
 
 
 class Decision(NamedTuple):
@@ -49,9 +61,12 @@ class Decision(NamedTuple):
     stacked: whether its micro-step scans over stacked FSDP params
       (:func:`fxaccum.instep.gather.per_layer`; None where it traced none).
     collectives: the loss names the data axes in collectives (it runs only per device).
-    fsdp: the per-device view's FSDP strategy, where it is chosen before the view runs
-      (named in ``fsdp=``, or read from the analysis's micro-step); None where there is
-      none to choose, or where only the loss's forward pass, traced in the view, says.
+    fsdp: the per-device view's FSDP strategy (named in ``fsdp=``, or read from the
+      micro-step); None where no param is sharded over a data axis.
+    step: the global view's micro-step, where the decision traced it as the loop runs it
+      (one micro-batch; params typed ``reduced``): the loop runs this jaxpr.
+    zero3: per-rank code's forward pass on whole params, where the decision read zero3
+      from it in the trace the loop runs in: the loop runs it on the shards.
   """
 
   path: paths.Path
@@ -60,36 +75,137 @@ class Decision(NamedTuple):
   stacked: bool | None = None
   collectives: bool = False
   fsdp: fsdp_lib.Choice | None = None
+  step: MicroStep | None = None
+  zero3: gather_lib.Traced | None = None
 
 
 def decide(config: Config, layout: meshes.Layout, call: Call) -> Decision:
   """The view for this call (see :class:`Decision`)."""
+  direct = _one_micro_batch(config, layout, call)
+  if direct is not None:
+    return direct
+  if not layout.data_axes:
+    return Decision(paths.Path(
+        "global", "the batch is not split over data-parallel devices", ()))
   decision = _view(config, layout, call)
+  if decision.path.view == "global":
+    return _kept_reduced(config, layout, call, decision)
   blocker = zero3_blocker(call.diff_leaves, layout) if config.fsdp == "zero3" else None
-  if decision.path.view != "device" or blocker is None:
+  if blocker is None:
     return _with_fsdp(config, layout, call, decision)
   if config.view == "device":
     raise ValueError(f"view='device' could not run the loss per device: "
                      f"{forced_zero3_refusal(blocker)}.")
-  return Decision(dataclasses.replace(decision.path, view="global",
-                                      reason=forced_zero3_refusal(blocker)),
-                  decision.reducible)
+  return _kept_reduced(config, layout, call, Decision(dataclasses.replace(
+      decision.path, view="global", reason=forced_zero3_refusal(blocker)), decision.reducible))
+
+
+def _one_micro_batch(config: Config, layout: meshes.Layout, call: Call) -> Decision | None:
+  """One micro-batch (``view="auto"``, reduced): nothing to accumulate, and the compiler's
+  reduction of ``jax.value_and_grad``'s program is already one per step, so that program
+  runs, without a per-device region or a loop. None (decided as for more micro-batches)
+  where the step does not trace on the global batch (code valid only per device, e.g.
+  FSDP params beside a data-sharded batch on an Explicit mesh), or asks for Statistics
+  (its noise scale's small batches are the devices' rows)."""
+  if config.micro_batches != 1 or config.view != "auto" or not config.reduce:
+    return None
+  leaves = list(call.diff_leaves)
+  step = attempt(trace_step, config, call, (), leaves, [()] * len(leaves)).value
+  if step is None or step.noise_scaled(config):
+    return None
+  return Decision(paths.Path(
+      "global", "one micro-batch: the step runs as jax.value_and_grad runs it",
+      layout.data_axes), step=step)
+
+
+def _kept_reduced(config: Config, layout: meshes.Layout, call: Call,
+                  decision: Decision) -> Decision:
+  """The global ``decision`` with the leaves it keeps ``reduced``: its reducible leaves,
+  where the micro-step traces with them typed so (an operation without reduced/unreduced
+  rules does not) and takes no noise scale (its squares need each micro-batch's reduced
+  gradient); none otherwise, the reason saying why."""
+  if not decision.reducible:
+    return decision
+  whole = [jax.ShapeDtypeStruct(jnp.shape(leaf), jax.typeof(leaf).dtype, sharding=NamedSharding(
+      layout.mesh, P(*spec, reduced=reduced))) if reduced else leaf
+           for leaf, (spec, reduced) in zip(call.diff_leaves, global_specs(
+               call, layout, decision.reducible), strict=True)]
+  step, err = attempt(trace_step, config, call, (), whole, [()] * len(whole))
+  why = (first_line(err) if err is not None else
+         "the noise scale squares each micro-batch's gradient, reduced"
+         if step.noise_scaled(config) else None)
+  if why is None:
+    return decision._replace(step=step)
+  return Decision(dataclasses.replace(
+      decision.path, reason=f"{decision.path.reason}; params not kept reduced ({why})"))
+
+
+def global_specs(call: Call, layout: meshes.Layout,
+                 reducible: frozenset[int]) -> list[tuple[tuple[Any, ...], frozenset[str]]]:
+  """Per differentiated leaf, its PartitionSpec entries in the global view and the data
+  axes it is typed ``reduced`` over there (those of ``reducible`` leaves that the spec
+  does not name)."""
+  hints = layout.param_specs or [None] * len(call.diff_leaves)
+  specs = [_spec_of(leaf, hint) for leaf, hint in zip(call.diff_leaves, hints, strict=True)]
+  return [(spec, frozenset(a for a in layout.data_axes if a not in meshes.named_axes(spec))
+           if i in reducible else frozenset()) for i, spec in enumerate(specs)]
+
+
+def _spec_of(leaf: Any, hint: P | None) -> tuple[Any, ...]:
+  """The leaf's PartitionSpec entries, one per dimension (typed, else the hint)."""
+  ndim = len(jnp.shape(leaf))
+  spec = meshes.known_spec(leaf)
+  if all(e is None for e in spec) and hint is not None:
+    spec = tuple(hint) + (None,) * (ndim - len(hint))
+  return tuple(spec)
 
 
 def _with_fsdp(config: Config, layout: meshes.Layout, call: Call,
                decision: Decision) -> Decision:
-  """``decision`` with its FSDP strategy, where it can be chosen before the per-device
-  view runs (else the view chooses it from the loss's forward pass and amends the path)."""
-  if decision.path.view != "device" or not any(layout.param_dims):
+  """The per-device ``decision`` with its FSDP strategy, recorded in its path."""
+  if not any(layout.param_dims):
     return decision
   if config.fsdp != "auto":
     choice = fsdp_lib.forced(config.fsdp)
-  elif decision.stacked is not None:
-    choice = fsdp_lib.choose(decision.stacked, zero3_blocker(call.diff_leaves, layout))
   else:
-    return decision
+    choice = fsdp_lib.choose(bool(decision.stacked), zero3_blocker(call.diff_leaves, layout))
   return decision._replace(fsdp=choice, path=dataclasses.replace(
       decision.path, fsdp=f"{choice.strategy}: {choice.reason}"))
+
+
+def per_rank(config: Config, layout: meshes.Layout, call: Call) -> Decision:
+  """Per-rank code, inside the caller's shard_map over the data axes: the device view, and
+  its FSDP strategy read from the loss's forward pass, traced here (the loop's trace)."""
+  if config.view == "global":
+    raise ValueError(
+        f"view='global' cannot run inside a shard_map that is manual over the data axes "
+        f"{layout.data_axes}: there the loss sees only its device's shard. Call fxaccum "
+        "outside the shard_map, or use view='auto'.")
+  if config.view == "auto":
+    # Best effort (None where it does not trace): the loop traces the loss again.
+    total = attempt(lambda: next(analyses(config, layout, call, paired=False)
+                                 ).analysis.outputs[0]).value
+    if isinstance(total, analysis_lib.Stat) and total.ratio:
+      raise ValueError(
+          f"Inside a shard_map over {layout.data_axes} each device's loss is its shard of "
+          "the global loss, but this loss divides by a statistic of its own shard (e.g. its "
+          f"token count: {total.mixed}). Per-shard means do not combine into the global "
+          "mean (DeepSpeed #5248). Return fxaccum.Weighted(jnp.sum(mask * loss), "
+          "jnp.sum(mask)) instead.")
+  decision = Decision(paths.Path(
+      "device", "per-rank code inside a shard_map over the data axes: local sums, one "
+      "reduction after the loop", layout.data_axes))
+  blocker = zero3_blocker(call.diff_leaves, layout)
+  if config.fsdp == "zero3" and blocker:
+    raise ValueError(forced_zero3_refusal(blocker))
+  if config.fsdp != "auto" or not any(layout.param_dims):
+    return _with_fsdp(config, layout, call, decision)
+  forward = region_lib.forward(config, layout, call)
+  decision = _with_fsdp(config, layout, call, decision._replace(
+      stacked=gather_lib.per_layer(forward.closed.jaxpr, layout.param_dims)))
+  # zero3's loop runs this forward pass (traced where the loop runs: the caller's region)
+  zero3 = decision.fsdp is not None and decision.fsdp.strategy == "zero3"
+  return decision._replace(zero3=forward if zero3 else None)
 
 
 def forced_zero3_refusal(blocker: str) -> str:
@@ -120,11 +236,12 @@ def _view(config: Config, layout: meshes.Layout, call: Call) -> Decision:
   problem: str | None = None
   reducible: frozenset[int] = frozenset()
   try:
-    for analysis, roles, aux, jaxpr in analyses(config, layout, call,
-                                          paired=config.view == "auto"):
+    for analysis, roles, aux, closed, kind in analyses(config, layout, call,
+                                                 paired=config.view == "auto"):
       reducible = analysis.reducible if on_explicit else frozenset()
       blockers = [*analysis.blockers,
-                  *([layout.device_blocker] if layout.device_blocker else [])]
+                  *([layout.device_blocker] if layout.device_blocker else []),
+                  *_closures(closed, call)]
       if config.view == "device":
         if "param_update" in roles:
           raise ValueError(
@@ -143,178 +260,44 @@ def _view(config: Config, layout: meshes.Layout, call: Call) -> Decision:
               f"view='device' cannot run this loss per device: {blockers[0]}. Use "
               "view='auto' (the default) or view='global'.")
         return Decision(paths.Path("device", "view='device'", axes), reducible, aux,
-                         gather_lib.per_layer(jaxpr, layout.param_dims))
+                         gather_lib.per_layer(closed.jaxpr, layout.param_dims))
       if config.view == "global":
         return Decision(paths.Path("global", "view='global'", axes), reducible)
-      found, what = classify(analysis.outputs, roles, summed=call.kinds[-1] == "sum")
+      found, what = classify(analysis.outputs, roles, summed=kind == "sum")
       # One device: how values scale is not read (no second size), and nothing differs.
       one = layout.data_devices == 1
       if not blockers and found is None:
         return Decision(paths.Path(
             "device", ONE_DEVICE if one else f"the loss is a {what} of per-example terms",
-            axes), reducible, aux, gather_lib.per_layer(jaxpr, layout.param_dims))
+            axes), reducible, aux, gather_lib.per_layer(closed.jaxpr, layout.param_dims))
       problem = problem or (blockers[0] if blockers else ONE_DEVICE if one else found)
       if blockers:  # no other trace removes a blocker
         break
   except NameError as err:  # a collective over an axis that only the device view binds
-    if config.view == "device":
-      return Decision(paths.Path("device", "view='device'", axes), collectives=True)
+    if config.view == "device":  # read where it runs, as needed: its aux, its FSDP layers
+      aux, stacked = region_lib.probe(config, layout, call) if config.has_aux or (
+          any(layout.param_dims) and config.fsdp == "auto") else (None, None)
+      return Decision(paths.Path("device", "view='device'", axes), aux=aux, stacked=stacked,
+                      collectives=True)
     raise ValueError(
         f"The loss does not run on the global micro-batch ({first_line(err)}). A loss "
         "that names the data axes in collectives (e.g. flax BatchNorm(axis_name=...), "
         "jax.lax.pmean(x, 'data')) runs only per device: pass view='device'.") from err
-  except _NoDeviceTrace as err:
+  except NoDeviceTrace as err:
     problem = problem or str(err)
   return Decision(paths.Path(
       "global", problem or "no proof that per-device results add up", axes), reducible)
 
 
-class _NoDeviceTrace(Exception):
-  """The micro-step does not trace on one device's rows (the message says why)."""
-
-
-def _traced_for_every_size(step: Any, *args: Any) -> Any:
-  """``make_jaxpr`` of ``step`` on arguments with a symbolic number of rows, or None
-  where that is not the program every number of rows runs."""
-  with symbolic.undecided_uses() as undecided:  # None: not traceable for any number of rows
-    traced = attempt(jax.make_jaxpr(step, return_shape=True), *args).value
-  # Undecided: e.g. `if x.shape[0] == 2`, `if n % 2`: not the program on 2 rows.
-  return None if undecided else traced
-
-
-def analyses(config: Config, layout: meshes.Layout, call: Call, paired: bool):
-  """:func:`fxaccum.analysis.analyze` of one micro-step (the loss, its aux and state, and
-  its gradients), with each output's role, the traced aux and the micro-step's jaxpr:
-  ``(analysis, roles, aux, jaxpr)``, generated lazily.
-
-  With ``paired``, the step is first traced with a *symbolic* number of rows: a proof on
-  that jaxpr holds for every number of rows, so for the global micro-batch and for each
-  device's share alike. Where that trace fails (the loss's Python code computes with the
-  number of rows, e.g. ``max(n, 8)`` or a numpy array of ``n`` weights) or proves
-  nothing (JAX spells a few operations differently for a symbolic size, e.g. a reversal
-  as a gather), the step is traced on the global micro-batch and on one device's rows,
-  and the two programs are compared (see :mod:`fxaccum.analysis`): the proof then holds
-  for the two programs that run. Without ``paired`` only the global micro-batch is
-  traced (to find mixing operations and reducible params, not how values scale).
-
-  The global step is traced with the types the global view gives it; if that fails (code
-  valid only per device, e.g. a gather of data-sharded indices on an Explicit mesh), with
-  the data axes dropped from the types, as the per-device view sees them. Values, and so
-  the analysis, do not depend on shardings.
-  """
-  axes = layout.data_axes
-  micro = micro_batch_avals(config, call)
-  leaves = [_gathered(leaf, axes) for leaf in call.diff_leaves]
-  rows, devices = jax.tree.leaves(micro)[0].shape[0], layout.data_devices
-  rows_seen = rows  # the global micro-batch's, where the analysis reads a symbolic size
-  paired = paired and devices > 1
-  n_diff, n_micro = len(call.diff_leaves), len(jax.tree.leaves(micro))
-
-  def step(leaves, micro, state):
-    def total(leaves):
-      loss_total, weight, aux, state_out, sown = call.loss(config, leaves, micro, 0, state)
-      return loss_total, (weight, aux, state_out, sown)
-    return jax.value_and_grad(total, has_aux=True)(leaves)
-
-  def per_device(tree, new_rows: Any = None):
-    """Abstract values as the device view types them, with ``new_rows`` rows."""
-    def local(x):
-      x = _gathered(x, axes, batch=True)
-      if new_rows is None:
-        return x
-      return jax.ShapeDtypeStruct((new_rows, *x.shape[1:]), x.dtype, sharding=x.sharding)
-    return jax.tree.map(local, tree)
-
-  def analysis(traced, rows, partner=None):
-    closed, ((_, (_, aux, state, sown)), _) = traced
-    return analysis_lib.analyze(
-        closed, rows=rows, batch_inputs=range(n_diff, n_diff + n_micro),
-        param_inputs=range(n_diff), partner=partner,
-        partner_rows=rows // devices if partner is not None else None,
-        rows_seen=rows_seen), _roles(closed, aux, state, sown, written_leaves(*traced),
-                                     n_diff, n_micro), aux, closed.jaxpr
-
-  if paired:
-    (symbol,) = jax.export.symbolic_shape("rows")
-    traced = _traced_for_every_size(
-        step, per_device(leaves), per_device(micro, symbol), per_device(call.state))
-    if traced is not None:
-      result = analysis(traced, symbol)
-      yield result
-      if not result[0].sized_positions:  # concrete sizes would find the same
-        return
-  trace = jax.make_jaxpr(step, return_shape=True)
-  traced, err = attempt(trace, leaves, micro, call.state)
-  if err is not None:  # retried without the data axes, else the first error raised
-    traced = attempt(trace, *per_device((leaves, micro, call.state))).value
-    if traced is None:
-      raise err
-  partner = None
-  if paired:
-    partner, err = attempt(jax.make_jaxpr(step), per_device(leaves),
-                           per_device(micro, rows // devices), per_device(call.state))
-    if err is not None:  # the device view could not run it either
-      raise _NoDeviceTrace(f"the loss did not trace per device ({first_line(err)})") from err
-  yield analysis(traced, rows, partner)
-
-
-def _roles(closed: Any, aux: Any, state: Any, sown: Any, written: tuple[bool, ...],
-           n_diff: int, n_micro: int) -> list[Role]:
-  """The role of each output of a traced micro-step (see :func:`analyses`); ``written``:
-  :func:`~fxaccum.instep.call.written_leaves` of it."""
-  roles: list[Role] = ["total", "weight"]
-  for marker in jax.tree.leaves(aux, is_leaf=is_marker):
-    if isinstance(marker, markers.Weighted):
-      roles.extend(["aux_total", "aux_weight"])
-      continue
-    by_marker: dict[type, Role] = {
-        markers.Sum: "aux_sum", markers.Concat: "aux_concat", markers.Max: "aux_max",
-        markers.Min: "aux_min", markers.State: "state"}
-    role = by_marker.get(type(marker), "aux")
-    roles.extend([role] * len(jax.tree.leaves(marker)))
-  # Threaded module state must pass through unchanged for the per-device view.
-  state_in = closed.jaxpr.invars[n_diff + n_micro:]
-  carried = len(jax.tree.leaves((state.modules, state.arguments)))
-  state_out = closed.jaxpr.outvars[len(roles):len(roles) + carried]
-  roles.extend("state" if v_out is v_in else "state_update"
-               for v_in, v_out in zip(state_in, state_out, strict=True))
-  # A param set again to the value it read passes through; another value is an update.
-  roles.extend("param_update" if w else "state"
-               for w, value in zip(written, state.params, strict=True) if value is not None)
-  roles.extend(["sown"] * len(jax.tree.leaves(sown)))
-  roles.extend(["grad"] * n_diff)
-  return roles
-
-
-def _gathered(leaf: Any, data_axes: tuple[str, ...], batch: bool = False) -> Any:
-  """An abstract value like ``leaf``, with the data axes dropped from its type.
-
-  Differentiated leaves enter the loss like this in either view (FSDP params typed
-  sharded over data axes on an Explicit mesh are gathered before the loss); with
-  ``batch=True`` any leaf, as the per-device view types it.
-  """
-  aval = jax.typeof(leaf)
-  sharding = getattr(aval, "sharding", None)
-  if (not isinstance(sharding, NamedSharding)
-      or not meshes.named_axes(sharding.spec) & set(data_axes)):
-    return leaf if not batch else jax.ShapeDtypeStruct(aval.shape, aval.dtype,
-                                                      sharding=sharding)
-  spec = P(*(tuple(a for a in meshes.spec_axes(e) if a not in data_axes) or None
-             for e in sharding.spec))
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
-                              sharding=NamedSharding(sharding.mesh, spec))
-
-
-def first_line(err: BaseException) -> str:
-  """An error's type and first line, to quote in a view's reason or a message."""
-  text = str(err).strip().splitlines()
-  return f"{type(err).__name__}: {text[0] if text else ''}"
-
-
-def no_device_reason(err: BaseException) -> str:
-  """Why the per-device region could not run the loss, with the fix where there is one."""
-  if isinstance(err, NotImplementedError) and "Closing over inputs to shard_map" in str(err):
-    return ("the loss closes over a traced value typed on an Explicit mesh, which JAX "
-            "0.10.2 cannot take into the per-device region: pass it to the loss as an "
-            "argument (or keyword argument) to take the fast path")
-  return f"the loss did not trace per device ({first_line(err)})"
+def _closures(closed: Any, call: Call) -> list[str]:
+  """Why the per-device region cannot run a micro-step traced as ``closed``: it closes over
+  a value typed on an ``Explicit`` mesh that is none of the call's arguments (those enter
+  the region as its arguments), which JAX 0.10.2 cannot take into a ``shard_map``
+  (``NotImplementedError: Closing over inputs to shard_map ...``)."""
+  passed = {id(x) for x in jax.tree.leaves((call.rest, call.kwargs))}
+  for const in closed.consts:
+    mesh = getattr(getattr(jax.typeof(const), "sharding", None), "mesh", None)
+    if (id(const) not in passed and mesh is not None
+        and meshes.axes_of_type(mesh, AxisType.Explicit)):
+      return [CLOSURE]
+  return []

@@ -52,7 +52,8 @@ def call(config: Config, compiled: dict, args: Sequence[Any], kwargs: dict) -> A
     nnx_lib.check_decode_caches(module_args, rows // config.micro_batches,
                                 config.micro_batches)
   keys.warn_shared_keys(
-      config.fun, module_args, kwargs, batch_argnums=config.batch_argnums,
+      config.fun, module_args, kwargs, micro_batches=config.micro_batches,
+      batch_argnums=config.batch_argnums,
       named={*config.diff_argnums, *config.batch_argnums, *config.rng_argnums,
              *config.state_argnums, *(modules.positions if modules else ())})
   _check_unreduced(config, layout)

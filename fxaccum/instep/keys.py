@@ -45,15 +45,16 @@ def looked_at(fun: Any) -> None:
   _first_time(fun)
 
 
-def warn_shared_keys(fun: Any, args: Sequence[Any], kwargs: dict, *,
+def warn_shared_keys(fun: Any, args: Sequence[Any], kwargs: dict, *, micro_batches: int,
                      batch_argnums: Sequence[int], named: set[int],
                      name: str | None = None) -> None:
-  """Warns once per function where a shared key draws values along the batch axis.
+  """Warns once per function where a shared key draws values along the batch axis, and
+  ``micro_batches`` share it (one micro-batch shares it with none).
 
   ``named``: the positions that are not shared as given (differentiated, split, folded,
   threaded: an ``nnx.Rngs`` advances per micro-batch); ``name``: the function as the
   warning names it."""
-  if not _first_time(fun):
+  if micro_batches == 1 or not _first_time(fun):
     return
   offsets, inputs = 0, {}
   for i, arg in enumerate(args):

@@ -17,7 +17,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from fxaccum import analysis as analysis_lib
-from fxaccum import meshes, reductions, split
+from fxaccum import meshes, reductions
 from fxaccum.instep import accumulators as acc
 from fxaccum.instep import gather as gather_lib
 from fxaccum.instep.attempts import attempt
@@ -26,9 +26,9 @@ from fxaccum.instep.call import (
   Config,
   LossKind,
   micro_batch_avals,
-  micro_loss,
   written_leaves,
 )
+from fxaccum.instep.micro_step import MicroStep, asks_statistics, noise_scaled, trace_step
 from fxaccum.markers import (
   Concat,
   Max,
@@ -40,9 +40,9 @@ from fxaccum.markers import (
   lowest,
   safe_divide,
 )
-from fxaccum.statistics import NOISE_TERMS, Statistics, noise_terms, sq_norm
+from fxaccum.statistics import NOISE_TERMS, noise_terms, sq_norm
 
-__all__ = ["Looped", "StatisticsPerDevice", "loop"]
+__all__ = ["Looped", "loop"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -74,15 +74,10 @@ class Looped(NamedTuple):
   sown: Any
 
 
-class StatisticsPerDevice(Exception):
-  """A one-micro-batch step asked for Statistics: its noise scale's small batches are the
-  devices' rows, so it runs per device, not as jax.value_and_grad's program."""
-
-
 def loop(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],
           gather_dims: Sequence[meshes.DataDims], grads: acc.Accumulator,
           presummed: bool = False, traced: gather_lib.Traced | None = None,
-          direct: bool = False):
+          step: MicroStep | None = None) -> Looped:
   """The micro-batch loop: ``grads`` sums the gradients, and one accumulator each the loss
   totals, weights and aux outputs, while the module state is threaded through in order;
   ``axes`` are the manual axes the sums are reduced over afterwards.
@@ -91,9 +86,8 @@ def loop(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],
   leaf that depends on the batch but does not vary over some of those axes was summed over
   them by the loss itself (its ``psum``) and is not summed again; the gradients always are.
   With ``traced`` (``fsdp="zero3"``), the loss traced on whole params runs on the shards
-  ``whole``, gathering each where it is used. ``direct`` (one micro-batch, run as
-  ``jax.value_and_grad`` runs it) raises :class:`StatisticsPerDevice` for a loss that asks
-  for :class:`fxaccum.Statistics`.
+  ``whole``, gathering each where it is used. ``step``: the micro-step as
+  :func:`trace_step` traced it, where the decision did (else traced here).
 
   A differentiated leaf the loss writes (:attr:`~fxaccum.instep.call.Threaded.params`)
   is carried through the loop like module state: each micro-batch reads, and is
@@ -101,14 +95,9 @@ def loop(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],
 
   Returns a :class:`Looped`.
   """
-  step = _micro_step(config, call, axes, gather_dims, traced)
-  # The micro-step is traced once: its outputs (abstract, with the manual axes each varies
-  # over) shape the accumulators, and the loop body runs its jaxpr.
-  closed, shapes = jax.make_jaxpr(step, return_shape=True)(whole, jnp.int32(0), call.state)
+  closed, shapes = step or trace_step(config, call, axes, whole, gather_dims, traced)
   sums = _Sums.of(config, call, closed, shapes, axes, presummed, grads,
                   micro_gradients=traced is None)
-  if direct and sums.statistics:
-    raise StatisticsPerDevice()
   _warn_batch_shaped(config, call, whole, gather_dims, sums.markers)
   init = (sums.accumulator.init(), call.state._replace(
       params=_written_params(closed, shapes, whole, gather_dims)))
@@ -122,27 +111,6 @@ def loop(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],
   with jax.named_scope("fxaccum_reduce"):
     value, aux, statistics, grad_values, local_weight = sums.finalize(carry, axes)
   return Looped(value, aux, statistics, grad_values, local_weight, state, sown)
-
-
-def _micro_step(config: Config, call: Call, axes: tuple[str, ...],
-                gather_dims: Sequence[meshes.DataDims], traced: gather_lib.Traced | None
-                ) -> Callable[..., Any]:
-  """One micro-step, ``(params, index, state) -> ((total, (weight, aux, state, sown)),
-  local gradients)``: FSDP leaves gathered (``gather_dims``) as the compiler places it,
-  or (``traced``) where the loss uses them."""
-  batch = call.batch(config)
-  loss = micro_loss(config, call)
-
-  def step(leaves, index, state):
-    micro = split.micro_batch(batch, index, config.micro_batches)
-    if traced is not None:  # the shards tied to the loop index: no gather is hoisted above
-      leaves, _ = lax.optimization_barrier((leaves, index))  # the loop
-      return gather_lib.value_and_grad(traced, leaves, micro, index, state)
-    full = meshes.vary([reductions.gather(leaf, dims) for leaf, dims in zip(
-        leaves, gather_dims, strict=True)], axes)  # still varying: local gradients
-    return jax.value_and_grad(loss, has_aux=True)(full, micro, index, state)
-
-  return step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,22 +144,18 @@ class _Sums:
     """The accumulators of a micro-step traced as ``closed``; ``micro_gradients``: whether
     it returns each micro-batch's gradient before any reduction (not zero3's)."""
     out_def = jax.tree.structure(shapes)
-    (total_aval, (weight_aval, aux_avals, _, _)), _ = jax.tree.unflatten(
+    (total_aval, (weight_aval, aux_avals, _, _, loss_kind)), _ = jax.tree.unflatten(
         out_def, closed.out_avals)
     summed = _summed_over(closed, axes, call.batch(config), presummed)
-    (total_axes, (weight_axes, aux_axes, _, _)), _ = jax.tree.unflatten(
+    (total_axes, (weight_axes, aux_axes, _, _, _)), _ = jax.tree.unflatten(
         out_def, [frozenset(axes) if s is None else s for s in summed])
-    (_, (constant_weight, _, _, _)), _ = jax.tree.unflatten(out_def, [s is None for s in summed])
+    (_, (constant_weight, *_)), _ = jax.tree.unflatten(out_def, [s is None for s in summed])
     if constant_weight:  # the same on every device (a scalar loss's 1): summed like the total
       weight_axes = total_axes
     markers = jax.tree.leaves(aux_avals, is_leaf=is_marker)
-    kind = call.kinds[-1]
-    statistics = any(isinstance(m, Statistics) for m in markers)
-    # The noise scale's small batches are each device's share of a micro-batch (or the
-    # global micro-batch): a device's gradient must be that share's, not yet reduced, of a
-    # mean loss, and the step's gradient must be reduced.
-    noise = (statistics and micro_gradients and config.reduce and kind != "sum"
-             and set(weight_axes) == set(axes))
+    kind = loss_kind.value
+    noise = noise_scaled(config, aux_avals, kind, micro_gradients=micro_gradients,
+                          weight_axes=weight_axes, axes=axes)
     batch_rows = jax.tree.leaves(call.batch(config))[0].shape[0]
     return _Sums(
         grads=grads,
@@ -207,7 +171,8 @@ class _Sums:
         noise=acc.summed(jax.ShapeDtypeStruct((len(NOISE_TERMS),), jnp.float32), axes)
         if noise else None,
         total_aval=total_aval, aux_def=jax.tree.structure(aux_avals, is_leaf=is_marker),
-        markers=markers, weight_axes=weight_axes, kind=kind, statistics=statistics,
+        markers=markers, weight_axes=weight_axes, kind=kind,
+        statistics=asks_statistics(aux_avals),
         # A mean loss weighs 1 and stands for the micro-batch's rows; a Weighted one
         # counts its own items.
         rows_per_weight=1 if kind == "weighted" else batch_rows // config.micro_batches)
@@ -248,7 +213,7 @@ def _loop_body(config: Config, traced_step: Callable[..., Any], out_def: Any, su
     # A jaxpr output that is a literal (a Python number in the aux) comes back as one.
     outs = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in traced_step(
         *jax.tree.leaves((read, index, old_state._replace(params=()))))]
-    (loss_total, (loss_weight, aux_values, state, sown)), grad_values = jax.tree.unflatten(
+    (loss_total, (loss_weight, aux_values, state, sown, _)), grad_values = jax.tree.unflatten(
         out_def, outs)
     # Carried on: the params written another value (a value set again passes through).
     state = state._replace(params=tuple(

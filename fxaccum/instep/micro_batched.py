@@ -174,7 +174,8 @@ def _call(spec: _Spec, args: tuple, kwargs: dict) -> Any:
           f"{rows} rows on axis 0, but keyword arguments reach every micro-batch whole, not "
           f"split. Pass batch data positionally and name it in batch_argnums (now "
           f"{spec.batch_argnums}).")
-  warn_shared_keys(spec.fun, args, kwargs, batch_argnums=spec.batch_argnums,
+  warn_shared_keys(spec.fun, args, kwargs, micro_batches=spec.k,
+                   batch_argnums=spec.batch_argnums,
                    named={*spec.batch_argnums, *spec.rng_argnums}, name=spec.name)
   return _custom(spec, parts, layout.data_axes)(parts.diff, parts.batch, parts.keys, parts.fixed)
 

@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterator
 from typing import Literal
 
-__all__ = ["Path", "View", "amend", "entry", "record", "recorded"]
+__all__ = ["Path", "View", "entry", "record", "recorded"]
 
 View = Literal["auto", "global", "device"]
 
@@ -95,13 +95,6 @@ def record(path: Path) -> str:
   index = next(_IDS)
   _PATHS[index] = path
   return f"fxaccum_path_{index}"
-
-
-def amend(scope: str, **changes: object) -> None:
-  """Changes fields of the path :func:`record` registered as ``scope`` (e.g. the FSDP
-  strategy, chosen while the region it names is traced)."""
-  index = int(scope.removeprefix("fxaccum_path_"))
-  _PATHS[index] = dataclasses.replace(_PATHS[index], **changes)  # type: ignore[arg-type]
 
 
 def recorded(hlo_text: str) -> list[Path]:

@@ -1,0 +1,90 @@
+"""One micro-step as the loop runs it: the loss on micro-batch ``i`` (rows ``i::k``) and its
+gradients, traced once (:func:`trace_step`); the loop body runs its jaxpr. The decision
+traces it where it decides from this very trace (one micro-batch; params typed
+``reduced``), so that the loop runs what was decided on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fxaccum import meshes, reductions, split
+from fxaccum.instep import gather as gather_lib
+from fxaccum.instep.call import Call, Config, LossKind, micro_loss
+from fxaccum.markers import is_marker
+from fxaccum.statistics import Statistics
+
+__all__ = ["MicroStep", "asks_statistics", "noise_scaled", "trace_step"]
+
+
+class MicroStep(NamedTuple):
+  """One micro-step traced (:func:`trace_step`).
+
+  Attributes:
+    closed: its closed jaxpr, which the loop body runs.
+    shapes: its outputs' shapes, ``((total, (weight, aux, state, sown, kind)), grads)``.
+  """
+
+  closed: Any
+  shapes: Any
+
+  @property
+  def aux(self) -> Any:
+    """The aux traced (abstract, with its markers)."""
+    return self.shapes[0][1][1]
+
+  def noise_scaled(self, config: Config) -> bool:
+    """Whether the global view's loop takes the noise scale of this step: it squares each
+    micro-batch's gradient (see :func:`noise_scaled`)."""
+    kind = self.shapes[0][1][4].value
+    return noise_scaled(config, self.aux, kind, micro_gradients=True, weight_axes=(),
+                         axes=())
+
+
+def trace_step(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],
+               gather_dims: Sequence[meshes.DataDims],
+               traced: gather_lib.Traced | None = None) -> MicroStep:
+  """The micro-step :func:`loop` runs, traced once on the params ``whole`` (concrete or
+  abstract): its outputs (abstract, with the manual axes each varies over) shape the
+  accumulators, and the loop body runs its jaxpr."""
+  step = _micro_step(config, call, axes, gather_dims, traced)
+  return MicroStep(*jax.make_jaxpr(step, return_shape=True)(whole, jnp.int32(0), call.state))
+
+
+def noise_scaled(config: Config, aux: Any, kind: LossKind, *, micro_gradients: bool,
+                  weight_axes: Any, axes: tuple[str, ...]) -> bool:
+  """Whether the loop takes the noise scale: the aux asks for Statistics, and each
+  micro-batch's gradient is a small batch's (each device's share of a micro-batch, or the
+  global micro-batch): a device's gradient must be that share's, not yet reduced
+  (``micro_gradients``), of a mean loss, and the step's gradient must be reduced."""
+  return (asks_statistics(aux) and micro_gradients and config.reduce and kind != "sum"
+          and set(weight_axes) == set(axes))
+
+
+def asks_statistics(aux: Any) -> bool:
+  return any(isinstance(m, Statistics) for m in jax.tree.leaves(aux, is_leaf=is_marker))
+
+
+def _micro_step(config: Config, call: Call, axes: tuple[str, ...],
+                gather_dims: Sequence[meshes.DataDims], traced: gather_lib.Traced | None
+                ) -> Callable[..., Any]:
+  """One micro-step, ``(params, index, state) -> ((total, (weight, aux, state, sown, kind)),
+  local gradients)``: FSDP leaves gathered (``gather_dims``) as the compiler places it,
+  or (``traced``) where the loss uses them."""
+  batch = call.batch(config)
+  loss = micro_loss(config, call)
+
+  def step(leaves, index, state):
+    micro = split.micro_batch(batch, index, config.micro_batches)
+    if traced is not None:  # the shards tied to the loop index: no gather is hoisted above
+      leaves, _ = lax.optimization_barrier((leaves, index))  # the loop
+      return gather_lib.value_and_grad(traced, leaves, micro, index, state)
+    full = meshes.vary([reductions.gather(leaf, dims) for leaf, dims in zip(
+        leaves, gather_dims, strict=True)], axes)  # still varying: local gradients
+    return jax.value_and_grad(loss, has_aux=True)(full, micro, index, state)
+
+  return step
