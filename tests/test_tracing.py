@@ -7,6 +7,8 @@ at the collective; its aux and FSDP layers are then read in the per-device regio
 where before the region read each again: 5 traces), the first call with a shared key
 (the shared-key warning's own trace, once per loss function), and a global view on an
 Explicit mesh whose loss fails with params typed ``reduced`` (traced again without).
+A loss whose Python code computes with its number of rows takes four: its symbolic
+trace fails, so the analysis traces it at the two sizes that run, then the loop.
 """
 
 import jax
@@ -63,6 +65,11 @@ def with_collective(params, batch):
   return weighted(params, batch), {"devices": jax.lax.psum(1, "data")}
 
 
+def sized(params, batch):
+  """Computes with its number of rows in Python: no trace for every number of rows."""
+  return jnp.sum(mlp_loss(params, batch)) / max(batch["x"].shape[0], 8)
+
+
 def with_dropout(params, batch, key):
   keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
   return weighted(params, {**batch, "x": jnp.where(keep, batch["x"] * 2, 0.0)})
@@ -81,6 +88,7 @@ CASES = {
     "folded key": (with_dropout, {"rng_argnums": 2}, {}, 2),
     "shared key": (with_dropout, {}, {}, 3),
     "no reduced types": (spec_indexing, {"view": "global"}, {}, 3),
+    "rows in Python": (sized, {}, {}, 4),
 }
 
 

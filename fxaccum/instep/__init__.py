@@ -1,9 +1,11 @@
 """In-step accumulation: ``value_and_grad`` / ``grad`` / ``value_and_unreduced_grad``.
 
 Owns the entry points (:mod:`.api`), their options checked (:mod:`.configure`), one call
-of the function they return (:mod:`.invoke`), the view decision (:mod:`.decision`, with
-:mod:`.additivity`), the per-device and global views that run it (:mod:`.views`), the
-micro-batch loop (:mod:`.loop`), what one traced call holds
+of the function they return (:mod:`.invoke`), the decision, made before anything runs
+(:mod:`.decision`, with :mod:`.analysed` and :mod:`.additivity`), the per-device and
+global views that run it (:mod:`.views`, the per-device region in :mod:`.region`), one
+micro-step (:mod:`.micro_step`), the micro-batch loop (:mod:`.loop`), what one traced
+call holds
 (:mod:`.call`), how each output is summed (:mod:`.accumulators`), the FSDP strategies
 (:mod:`.fsdp`, :mod:`.gather`), the record of the view each call took (:mod:`.paths`),
 ``micro_batched`` (:mod:`.micro_batched`), a function over micro-batches whose backward

@@ -32,7 +32,12 @@ from fxaccum.instep.additivity import classify
 from fxaccum.instep.analysed import NoDeviceTrace, analyses, first_line
 from fxaccum.instep.attempts import attempt
 from fxaccum.instep.call import Call, Config
-from fxaccum.instep.micro_step import MicroStep, trace_step
+from fxaccum.instep.micro_step import (
+    MicroStep,
+    asks_statistics,
+    takes_noise_scale,
+    trace_step,
+)
 
 __all__ = ["CLOSURE", "ONE_DEVICE", "Decision", "decide", "forced_zero3_refusal",
            "global_specs", "per_rank", "zero3_blocker"]
@@ -80,7 +85,8 @@ class Decision(NamedTuple):
 
 
 def decide(config: Config, layout: meshes.Layout, call: Call) -> Decision:
-  """The view for this call (see :class:`Decision`)."""
+  """How this call runs (see :class:`Decision`), outside a ``shard_map`` over the data
+  axes (inside one: :func:`per_rank`)."""
   direct = _one_micro_batch(config, layout, call)
   if direct is not None:
     return direct
@@ -111,7 +117,7 @@ def _one_micro_batch(config: Config, layout: meshes.Layout, call: Call) -> Decis
     return None
   leaves = list(call.diff_leaves)
   step = attempt(trace_step, config, call, (), leaves, [()] * len(leaves)).value
-  if step is None or step.noise_scaled(config):
+  if step is None or asks_statistics(step.aux):
     return None
   return Decision(paths.Path(
       "global", "one micro-batch: the step runs as jax.value_and_grad runs it",
@@ -126,14 +132,16 @@ def _kept_reduced(config: Config, layout: meshes.Layout, call: Call,
   gradient); none otherwise, the reason saying why."""
   if not decision.reducible:
     return decision
-  whole = [jax.ShapeDtypeStruct(jnp.shape(leaf), jax.typeof(leaf).dtype, sharding=NamedSharding(
-      layout.mesh, P(*spec, reduced=reduced))) if reduced else leaf
-           for leaf, (spec, reduced) in zip(call.diff_leaves, global_specs(
-               call, layout, decision.reducible), strict=True)]
+  typed = global_specs(call, layout, decision.reducible)
+  whole = [leaf if not reduced else jax.ShapeDtypeStruct(
+      jnp.shape(leaf), jax.typeof(leaf).dtype,
+      sharding=NamedSharding(layout.mesh, P(*spec, reduced=reduced)))
+           for leaf, (spec, reduced) in zip(call.diff_leaves, typed, strict=True)]
   step, err = attempt(trace_step, config, call, (), whole, [()] * len(whole))
   why = (first_line(err) if err is not None else
          "the noise scale squares each micro-batch's gradient, reduced"
-         if step.noise_scaled(config) else None)
+         if takes_noise_scale(config, step.aux, step.kind, micro_gradients=True,
+                              weight_axes=(), axes=()) else None)
   if why is None:
     return decision._replace(step=step)
   return Decision(dataclasses.replace(

@@ -28,7 +28,7 @@ from fxaccum.instep.call import (
   micro_batch_avals,
   written_leaves,
 )
-from fxaccum.instep.micro_step import MicroStep, asks_statistics, noise_scaled, trace_step
+from fxaccum.instep.micro_step import MicroStep, asks_statistics, takes_noise_scale, trace_step
 from fxaccum.markers import (
   Concat,
   Max,
@@ -154,7 +154,7 @@ class _Sums:
       weight_axes = total_axes
     markers = jax.tree.leaves(aux_avals, is_leaf=is_marker)
     kind = loss_kind.value
-    noise = noise_scaled(config, aux_avals, kind, micro_gradients=micro_gradients,
+    noise = takes_noise_scale(config, aux_avals, kind, micro_gradients=micro_gradients,
                           weight_axes=weight_axes, axes=axes)
     batch_rows = jax.tree.leaves(call.batch(config))[0].shape[0]
     return _Sums(

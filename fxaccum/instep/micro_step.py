@@ -18,7 +18,7 @@ from fxaccum.instep.call import Call, Config, LossKind, micro_loss
 from fxaccum.markers import is_marker
 from fxaccum.statistics import Statistics
 
-__all__ = ["MicroStep", "asks_statistics", "noise_scaled", "trace_step"]
+__all__ = ["MicroStep", "asks_statistics", "takes_noise_scale", "trace_step"]
 
 
 class MicroStep(NamedTuple):
@@ -37,12 +37,10 @@ class MicroStep(NamedTuple):
     """The aux traced (abstract, with its markers)."""
     return self.shapes[0][1][1]
 
-  def noise_scaled(self, config: Config) -> bool:
-    """Whether the global view's loop takes the noise scale of this step: it squares each
-    micro-batch's gradient (see :func:`noise_scaled`)."""
-    kind = self.shapes[0][1][4].value
-    return noise_scaled(config, self.aux, kind, micro_gradients=True, weight_axes=(),
-                         axes=())
+  @property
+  def kind(self) -> LossKind:
+    """What the loss returned."""
+    return self.shapes[0][1][4].value
 
 
 def trace_step(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],
@@ -55,8 +53,8 @@ def trace_step(config: Config, call: Call, axes: tuple[str, ...], whole: list[An
   return MicroStep(*jax.make_jaxpr(step, return_shape=True)(whole, jnp.int32(0), call.state))
 
 
-def noise_scaled(config: Config, aux: Any, kind: LossKind, *, micro_gradients: bool,
-                  weight_axes: Any, axes: tuple[str, ...]) -> bool:
+def takes_noise_scale(config: Config, aux: Any, kind: LossKind, *, micro_gradients: bool,
+                      weight_axes: Any, axes: tuple[str, ...]) -> bool:
   """Whether the loop takes the noise scale: the aux asks for Statistics, and each
   micro-batch's gradient is a small batch's (each device's share of a micro-batch, or the
   global micro-batch): a device's gradient must be that share's, not yet reduced
@@ -66,6 +64,7 @@ def noise_scaled(config: Config, aux: Any, kind: LossKind, *, micro_gradients: b
 
 
 def asks_statistics(aux: Any) -> bool:
+  """Whether the loss's ``aux`` holds :class:`fxaccum.Statistics` to fill."""
   return any(isinstance(m, Statistics) for m in jax.tree.leaves(aux, is_leaf=is_marker))
 
 
