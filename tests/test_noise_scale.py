@@ -99,6 +99,9 @@ def test_statistics_match_the_micro_batch_gradients(view, loss, axis_type):
     (value, noise), grads = step(*args)
     (path,) = diagnostics.paths(step, *args)
   assert path.view == view
+  if view == "global" and axis_type == AxisType.Explicit:  # its squares need each
+    assert path.reduced_leaves == 0, path  # micro-batch's gradient reduced
+    assert "noise scale squares each micro-batch's reduced gradient" in path.reason, path
   assert isinstance(noise, fxaccum.NoiseScale)
   expected = reference(loss, w, small_batches(batch, view), batch)
   for name, want in expected.items():

@@ -139,7 +139,7 @@ def _kept_reduced(config: Config, layout: meshes.Layout, call: Call,
            for leaf, (spec, reduced) in zip(call.diff_leaves, typed, strict=True)]
   step, err = attempt(trace_step, config, call, (), whole, [()] * len(whole))
   why = (first_line(err) if err is not None else
-         "the noise scale squares each micro-batch's gradient, reduced"
+         "the noise scale squares each micro-batch's reduced gradient"
          if takes_noise_scale(config, step.aux, step.kind, micro_gradients=True,
                               weight_axes=(), axes=()) else None)
   if why is None:
