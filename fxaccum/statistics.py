@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-__all__ = ["NOISE_TERMS", "NoiseScale", "NoiseScaleEMA", "Statistics", "noise_scale_of",
-           "noise_terms", "sq_norm", "unavailable_noise_scale", "with_statistics"]
+__all__ = ["NOISE_TERMS", "NoiseScale", "NoiseScaleEMA", "Statistics", "asks_statistics",
+           "noise_scale_of", "noise_terms", "sq_norm", "takes_noise_scale",
+           "unavailable_noise_scale", "with_statistics"]
 
 
 def _grad_sq(small_sq, big_sq, small_batch, big_batch):
@@ -240,3 +241,18 @@ def with_statistics(aux: Any, skipped: jax.Array, terms: jax.Array | None, grads
   filled = Statistics(skipped=skipped, noise_scale=noise)
   return jax.tree.map(lambda m: filled if isinstance(m, Statistics) else m, aux,
                       is_leaf=lambda m: isinstance(m, Statistics))
+
+
+def asks_statistics(aux: Any) -> bool:
+  """Whether a loss's ``aux`` holds :class:`Statistics` to fill."""
+  return any(isinstance(m, Statistics) for m in jax.tree.leaves(
+      aux, is_leaf=lambda m: isinstance(m, Statistics)))
+
+
+def takes_noise_scale(aux: Any, *, reduced: bool, summed: bool, small_batches: bool) -> bool:
+  """Whether a step takes the noise scale: its ``aux`` asks for :class:`Statistics`; each
+  micro-batch's gradient, as the loop sees it before any reduction, is a small batch's
+  (``small_batches``: each device's share of a micro-batch, or the global micro-batch);
+  the loss is a mean, not a ``Sum`` (``summed``); and the step's gradient is
+  ``reduced``."""
+  return asks_statistics(aux) and small_batches and reduced and not summed

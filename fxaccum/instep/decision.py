@@ -32,12 +32,8 @@ from fxaccum.instep.additivity import classify
 from fxaccum.instep.analysed import NoDeviceTrace, analyses, first_line
 from fxaccum.instep.attempts import attempt
 from fxaccum.instep.call import Call, Config
-from fxaccum.instep.micro_step import (
-    MicroStep,
-    asks_statistics,
-    takes_noise_scale,
-    trace_step,
-)
+from fxaccum.instep.micro_step import MicroStep, trace_step
+from fxaccum.statistics import asks_statistics, takes_noise_scale
 
 __all__ = ["CLOSURE", "ONE_DEVICE", "Decision", "decide", "forced_zero3_refusal",
            "global_specs", "per_rank", "zero3_blocker"]
@@ -140,8 +136,8 @@ def _kept_reduced(config: Config, layout: meshes.Layout, call: Call,
   step, err = attempt(trace_step, config, call, (), whole, [()] * len(whole))
   why = (first_line(err) if err is not None else
          "the noise scale squares each micro-batch's reduced gradient"
-         if takes_noise_scale(config, step.aux, step.kind, micro_gradients=True,
-                              weight_axes=(), axes=()) else None)
+         if takes_noise_scale(step.aux, reduced=config.reduce, summed=step.kind == "sum",
+                              small_batches=True) else None)
   if why is None:
     return decision._replace(step=step)
   return Decision(dataclasses.replace(

@@ -28,7 +28,7 @@ from fxaccum.instep.call import (
   micro_batch_avals,
   written_leaves,
 )
-from fxaccum.instep.micro_step import MicroStep, asks_statistics, takes_noise_scale, trace_step
+from fxaccum.instep.micro_step import MicroStep, trace_step
 from fxaccum.markers import (
   Concat,
   Max,
@@ -40,7 +40,7 @@ from fxaccum.markers import (
   lowest,
   safe_divide,
 )
-from fxaccum.statistics import NOISE_TERMS, noise_terms, sq_norm
+from fxaccum.statistics import NOISE_TERMS, asks_statistics, noise_terms, sq_norm, takes_noise_scale
 
 __all__ = ["Looped", "loop"]
 
@@ -154,8 +154,10 @@ class _Sums:
       weight_axes = total_axes
     markers = jax.tree.leaves(aux_avals, is_leaf=is_marker)
     kind = loss_kind.value
-    noise = takes_noise_scale(config, aux_avals, kind, micro_gradients=micro_gradients,
-                          weight_axes=weight_axes, axes=axes)
+    # Small batches: each device's share of a micro-batch (or the global micro-batch), its
+    # gradient before any reduction (not zero3's), weighed on every device alike.
+    noise = takes_noise_scale(aux_avals, reduced=config.reduce, summed=kind == "sum",
+                              small_batches=micro_gradients and set(weight_axes) == set(axes))
     batch_rows = jax.tree.leaves(call.batch(config))[0].shape[0]
     return _Sums(
         grads=grads,

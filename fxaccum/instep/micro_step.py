@@ -15,10 +15,8 @@ from jax import lax
 from fxaccum import meshes, reductions, split
 from fxaccum.instep import gather as gather_lib
 from fxaccum.instep.call import Call, Config, LossKind, micro_loss
-from fxaccum.markers import is_marker
-from fxaccum.statistics import Statistics
 
-__all__ = ["MicroStep", "asks_statistics", "takes_noise_scale", "trace_step"]
+__all__ = ["MicroStep", "trace_step"]
 
 
 class MicroStep(NamedTuple):
@@ -51,21 +49,6 @@ def trace_step(config: Config, call: Call, axes: tuple[str, ...], whole: list[An
   accumulators, and the loop body runs its jaxpr."""
   step = _micro_step(config, call, axes, gather_dims, traced)
   return MicroStep(*jax.make_jaxpr(step, return_shape=True)(whole, jnp.int32(0), call.state))
-
-
-def takes_noise_scale(config: Config, aux: Any, kind: LossKind, *, micro_gradients: bool,
-                      weight_axes: Any, axes: tuple[str, ...]) -> bool:
-  """Whether the loop takes the noise scale: the aux asks for Statistics, and each
-  micro-batch's gradient is a small batch's (each device's share of a micro-batch, or the
-  global micro-batch): a device's gradient must be that share's, not yet reduced
-  (``micro_gradients``), of a mean loss, and the step's gradient must be reduced."""
-  return (asks_statistics(aux) and micro_gradients and config.reduce and kind != "sum"
-          and set(weight_axes) == set(axes))
-
-
-def asks_statistics(aux: Any) -> bool:
-  """Whether the loss's ``aux`` holds :class:`fxaccum.Statistics` to fill."""
-  return any(isinstance(m, Statistics) for m in jax.tree.leaves(aux, is_leaf=is_marker))
 
 
 def _micro_step(config: Config, call: Call, axes: tuple[str, ...],
