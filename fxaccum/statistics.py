@@ -239,14 +239,13 @@ def with_statistics(aux: Any, skipped: jax.Array, terms: jax.Array | None, grads
   gradient ``grads`` (NaN where ``terms`` is None: no noise scale for this step)."""
   noise = noise_scale_of(terms, grads) if terms is not None else unavailable_noise_scale()
   filled = Statistics(skipped=skipped, noise_scale=noise)
-  return jax.tree.map(lambda m: filled if isinstance(m, Statistics) else m, aux,
-                      is_leaf=lambda m: isinstance(m, Statistics))
+  return jax.tree.map(lambda m: filled if _is_statistics(m) else m, aux,
+                      is_leaf=_is_statistics)
 
 
 def asks_statistics(aux: Any) -> bool:
   """Whether a loss's ``aux`` holds :class:`Statistics` to fill."""
-  return any(isinstance(m, Statistics) for m in jax.tree.leaves(
-      aux, is_leaf=lambda m: isinstance(m, Statistics)))
+  return any(map(_is_statistics, jax.tree.leaves(aux, is_leaf=_is_statistics)))
 
 
 def takes_noise_scale(aux: Any, *, reduced: bool, summed: bool, small_batches: bool) -> bool:
@@ -256,3 +255,7 @@ def takes_noise_scale(aux: Any, *, reduced: bool, summed: bool, small_batches: b
   the loss is a mean, not a ``Sum`` (``summed``); and the step's gradient is
   ``reduced``."""
   return asks_statistics(aux) and small_batches and reduced and not summed
+
+
+def _is_statistics(x: Any) -> bool:
+  return isinstance(x, Statistics)
