@@ -8,15 +8,19 @@ A study of ``benchmarks/run.py``; run from the repository root::
 The suite's LM (``common.LM``: causal transformer blocks, ``--layers`` 12, width 128,
 sequence 64, vocabulary 256, batch 64) on the replicated layout (``("data",)`` over every
 device, Explicit), k = 4 (``--ks``): seconds to ``jax.jit(step).lower(params, batch)``
-(tracing, fxaccum's analysis, lowering to StableHLO; not XLA's compile), the fastest of
-``--repeats`` (3) fresh step functions each, and how many times each traces the loss.
-Writes ``benchmarks/results/tracing.json`` (``--out``).
+(tracing, fxaccum's analysis, lowering to StableHLO; not XLA's compile) of ``--repeats``
+(3) fresh step functions each, the two steps in turn (plain, fxaccum, plain, ...): the
+fastest of each, the median of the ratios pair by pair (which holds where the machine's
+speed drifts during the run), and how many times each traces the loss. Writes
+``benchmarks/results/tracing.json`` (``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -53,24 +57,22 @@ def lm_problem(layers: int, width: int, seq: int, vocab: int, batch: int, mesh: 
           jax.device_put(data, NamedSharding(mesh, P("data"))))
 
 
-def lower_seconds(make_step: Callable[[Callable], Callable], loss: Callable, args: tuple,
-                  repeats: int) -> tuple[float, int]:
-  """The fastest ``jax.jit(step).lower(*args)`` of ``repeats`` fresh steps (no trace
-  cache), and the loss's traces per lower."""
-  seconds, traces = [], []
-  for _ in range(repeats):
-    count = [0]
+def lower_once(make_step: Callable[[Callable], Callable], loss: Callable,
+               args: tuple) -> tuple[float, int]:
+  """Seconds to ``jax.jit(step).lower(*args)`` of a fresh step (no trace cache), and the
+  loss's traces in it."""
+  count = [0]
 
-    def counted(*a, count=count):
-      count[0] += 1
-      return loss(*a)
+  def counted(*a):
+    count[0] += 1
+    return loss(*a)
 
-    step = make_step(counted)
-    start = time.perf_counter()
-    jax.jit(step).lower(*args)
-    seconds.append(time.perf_counter() - start)
-    traces.append(count[0])
-  return min(seconds), max(traces)
+  step = make_step(counted)
+  jax.clear_caches()  # as a program's first lower: nothing traced before is reused
+  gc.collect()  # nor the previous lower's garbage collected in this one
+  start = time.perf_counter()
+  jax.jit(step).lower(*args)
+  return time.perf_counter() - start, count[0]
 
 
 def study(args: argparse.Namespace) -> None:
@@ -86,16 +88,20 @@ def study(args: argparse.Namespace) -> None:
     loss, params, batch = lm_problem(**sizes, mesh=mesh)
     methods = {"plain scan": lambda f: plain_scan_value_and_grad(f, k),
                "fxaccum": lambda f: fxaccum.value_and_grad(f, micro_batches=k)}
-    rows = {name: lower_seconds(make, loss, (params, batch), repeats)
-            for name, make in methods.items()}
-  plain = rows["plain scan"][0]
-  lines = md_header(["step", "trace + lower s", "x plain scan", "loss traces"], 1)
-  for name, (seconds, traces) in rows.items():
-    lines.append(md_row([name, f"{seconds:.2f}", f"{seconds / plain:.2f}", traces]))
+    runs = [{name: lower_once(make, loss, (params, batch)) for name, make in methods.items()}
+            for _ in range(repeats)]  # the two in turn
+  ratios = [run["fxaccum"][0] / run["plain scan"][0] for run in runs]
+  rows = {name: {"seconds": min(run[name][0] for run in runs),
+                 "traces": max(run[name][1] for run in runs)} for name in methods}
+  lines = md_header(["step", "trace + lower s, fastest", "x plain scan, median pair",
+                     "loss traces"], 1)
+  for name, row in rows.items():
+    ratio = 1.0 if name == "plain scan" else statistics.median(ratios)
+    lines.append(md_row([name, f"{row['seconds']:.2f}", f"{ratio:.2f}", row["traces"]]))
   print(f"LM, {sizes['layers']} layers of width {sizes['width']}, k = {k}, replicated over "
-        f"{jax.device_count()} devices; the fastest of {repeats} lowers\n")
+        f"{jax.device_count()} devices; {repeats} lowers each, in turn (pair ratios "
+        f"{min(ratios):.2f} to {max(ratios):.2f})\n")
   print("\n".join(lines))
-  write_json(out, {"environment": environment(), "sizes": sizes, "k": k,
-                   "rows": {name: {"seconds": s, "traces": t}
-                            for name, (s, t) in rows.items()}})
+  write_json(out, {"environment": environment(), "sizes": sizes, "k": k, "rows": rows,
+                   "pair_ratios": ratios})
   print(f"\nwrote {out}")

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -24,9 +25,14 @@ from fxaccum.instep.call import (
     micro_loss,
     written_leaves,
 )
+from fxaccum.instep.replay import ROWS
 from fxaccum.markers import is_marker
 
-__all__ = ["Analysed", "NoDeviceTrace", "analyses", "first_line"]
+__all__ = ["INDEX", "Analysed", "NoDeviceTrace", "analyses", "first_line"]
+
+
+# The micro-batch index's type, an input of the traced micro-step.
+INDEX = jax.ShapeDtypeStruct((), jnp.int32)
 
 
 class NoDeviceTrace(Exception):
@@ -49,8 +55,12 @@ class Analysed(NamedTuple):
     analysis: what :func:`fxaccum.analysis.analyze` found.
     roles: each output's role (see :func:`fxaccum.instep.additivity.classify`).
     aux: the aux traced (abstract, with its markers).
-    closed: the micro-step's closed jaxpr.
+    closed: the micro-step's closed jaxpr, ``(leaves, micro-batch, index, state) ->
+      outputs``.
     kind: what the loss returned (:data:`~fxaccum.instep.call.LossKind`).
+    shapes: its outputs' shapes (as :attr:`fxaccum.instep.micro_step.MicroStep.shapes`).
+    every_size: whether ``closed`` is traced with a symbolic number of rows
+      (:data:`fxaccum.instep.replay.ROWS`): the program every number of rows runs.
   """
 
   analysis: analysis_lib.Analysis
@@ -58,6 +68,8 @@ class Analysed(NamedTuple):
   aux: Any
   closed: Any
   kind: LossKind
+  shapes: Any
+  every_size: bool
 
 
 def analyses(config: Config, layout: meshes.Layout, call: Call,
@@ -88,8 +100,9 @@ def analyses(config: Config, layout: meshes.Layout, call: Call,
   paired = paired and devices > 1
   n_diff, n_micro = len(call.diff_leaves), len(jax.tree.leaves(micro))
 
-  def step(leaves, micro, state):
-    return jax.value_and_grad(micro_loss(config, call), has_aux=True)(leaves, micro, 0, state)
+  def step(leaves, micro, index, state):
+    return jax.value_and_grad(micro_loss(config, call), has_aux=True)(
+        leaves, micro, index, state)
 
   def per_device(tree, new_rows: Any = None):
     """Abstract values as the device view types them, with ``new_rows`` rows."""
@@ -101,34 +114,37 @@ def analyses(config: Config, layout: meshes.Layout, call: Call,
     return jax.tree.map(local, tree)
 
   def analysis(traced, rows, partner=None) -> Analysed:
-    closed, ((_, (_, aux, state, sown, kind)), _) = traced
+    closed, shapes = traced
+    (_, (_, aux, state, sown, kind)), _ = shapes
     return Analysed(analysis_lib.analyze(
         closed, rows=rows, batch_inputs=range(n_diff, n_diff + n_micro),
         param_inputs=range(n_diff), partner=partner,
         partner_rows=rows // devices if partner is not None else None,
         rows_seen=rows_seen), _roles(closed, aux, state, sown, written_leaves(*traced),
-                                     n_diff, n_micro), aux, closed, kind.value)
+                                     n_diff, n_micro), aux, closed, kind.value, shapes,
+                    not isinstance(rows, int))
 
   if paired:
-    (symbol,) = jax.export.symbolic_shape("rows")
+    (symbol,) = jax.export.symbolic_shape(ROWS)
     traced = _traced_for_every_size(
-        step, per_device(leaves), per_device(micro, symbol), per_device(call.state))
+        step, per_device(leaves), per_device(micro, symbol), INDEX, per_device(call.state))
     if traced is not None:
       result = analysis(traced, symbol)
       yield result
       if not result.analysis.sized_positions:  # concrete sizes would find the same
         return
   trace = jax.make_jaxpr(step, return_shape=True)
-  traced, err = attempt(trace, leaves, micro, call.state)
+  traced, err = attempt(trace, leaves, micro, INDEX, call.state)
   if err is not None:  # retried without the data axes (an axis name the global view
     if not isinstance(err, NameError):  # leaves unbound stays so), else the error raised
-      traced = attempt(trace, *per_device((leaves, micro, call.state))).value
+      traced = attempt(trace, *per_device((leaves, micro)), INDEX,
+                       per_device(call.state)).value
     if traced is None:
       raise err
   partner = None
   if paired:
     partner, err = attempt(jax.make_jaxpr(step), per_device(leaves),
-                           per_device(micro, rows // devices), per_device(call.state))
+                           per_device(micro, rows // devices), INDEX, per_device(call.state))
     if err is not None:  # the device view could not run it either
       raise NoDeviceTrace(f"the loss did not trace per device ({first_line(err)})") from err
   yield analysis(traced, rows, partner)
@@ -149,7 +165,7 @@ def _roles(closed: Any, aux: Any, state: Any, sown: Any, written: tuple[bool, ..
     role = by_marker.get(type(marker), "aux")
     roles.extend([role] * len(jax.tree.leaves(marker)))
   # Threaded module state must pass through unchanged for the per-device view.
-  state_in = closed.jaxpr.invars[n_diff + n_micro:]
+  state_in = closed.jaxpr.invars[n_diff + n_micro + 1:]  # after the index
   carried = len(jax.tree.leaves((state.modules, state.arguments)))
   state_out = closed.jaxpr.outvars[len(roles):len(roles) + carried]
   roles.extend("state" if v_out is v_in else "state_update"

@@ -85,6 +85,11 @@ class Call:
   state: Threaded = Threaded()
   modules: nnx_modules.Modules | None = None
 
+  def argument_leaves(self) -> list[Any]:
+    """The leaves of the arguments other than the differentiated ones, which the
+    per-device region takes as its own arguments (a trace closes over them)."""
+    return jax.tree.leaves((self.rest, self.kwargs))
+
   def batch(self, config: Config) -> dict[int, Any]:
     return {i: self.rest[i] for i in config.batch_argnums}
 

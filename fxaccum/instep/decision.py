@@ -28,10 +28,11 @@ from fxaccum.instep import fsdp as fsdp_lib
 from fxaccum.instep import gather as gather_lib
 from fxaccum.instep import paths
 from fxaccum.instep import region as region_lib
+from fxaccum.instep import replay as replay_lib
 from fxaccum.instep.additivity import classify
-from fxaccum.instep.analysed import NoDeviceTrace, analyses, first_line
+from fxaccum.instep.analysed import Analysed, NoDeviceTrace, analyses, first_line
 from fxaccum.instep.attempts import attempt
-from fxaccum.instep.call import Call, Config
+from fxaccum.instep.call import Call, Config, micro_batch_avals
 from fxaccum.instep.micro_step import MicroStep, trace_step
 from fxaccum.statistics import asks_statistics, takes_noise_scale
 
@@ -68,6 +69,9 @@ class Decision(NamedTuple):
       (one micro-batch; params typed ``reduced``): the loop runs this jaxpr.
     zero3: per-rank code's forward pass on whole params, where the decision read zero3
       from it in the trace the loop runs in: the loop runs it on the shards.
+    replay: the device view's micro-step as the analysis traced it (any number of rows),
+      where the loop runs it instead of tracing the loss again
+      (:mod:`fxaccum.instep.replay`); None: the loop traces the loss.
   """
 
   path: paths.Path
@@ -78,6 +82,7 @@ class Decision(NamedTuple):
   fsdp: fsdp_lib.Choice | None = None
   step: MicroStep | None = None
   zero3: gather_lib.Traced | None = None
+  replay: replay_lib.Replayable | None = None
 
 
 def decide(config: Config, layout: meshes.Layout, call: Call) -> Decision:
@@ -240,29 +245,14 @@ def _view(config: Config, layout: meshes.Layout, call: Call) -> Decision:
   problem: str | None = None
   reducible: frozenset[int] = frozenset()
   try:
-    for analysis, roles, aux, closed, kind in analyses(config, layout, call,
-                                                 paired=config.view == "auto"):
+    for analysed in analyses(config, layout, call, paired=config.view == "auto"):
+      analysis, roles, aux, closed, kind = analysed[:5]
       reducible = analysis.reducible if on_explicit else frozenset()
       blockers = [*analysis.blockers,
                   *([layout.device_blocker] if layout.device_blocker else []),
                   *_closures(closed, call)]
       if config.view == "device":
-        if "param_update" in roles:
-          raise ValueError(
-              "view='device' cannot run this loss per device: it writes a differentiated "
-              "variable (e.g. nnx.WeightNorm or nnx.SpectralNorm writing its normalized "
-              "kernel into its nnx.Param), which each micro-batch must read as the "
-              "previous one left it. Use view='auto' (the default) or view='global'.")
-        if config.state_argnums:
-          raise ValueError(
-              "view='device' with state_argnums: each device would thread its own state "
-              "through its rows, so the returned state would be per device. Use "
-              "view='auto' (the default) or view='global' to thread one state through the "
-              "global micro-batches.")
-        if blockers:
-          raise ValueError(
-              f"view='device' cannot run this loss per device: {blockers[0]}. Use "
-              "view='auto' (the default) or view='global'.")
+        _check_forced_device(config, roles, blockers)
         return Decision(paths.Path("device", "view='device'", axes), reducible, aux,
                          gather_lib.per_layer(closed.jaxpr, layout.param_dims))
       if config.view == "global":
@@ -271,9 +261,13 @@ def _view(config: Config, layout: meshes.Layout, call: Call) -> Decision:
       # One device: how values scale is not read (no second size), and nothing differs.
       one = layout.data_devices == 1
       if not blockers and found is None:
-        return Decision(paths.Path(
-            "device", ONE_DEVICE if one else f"the loss is a {what} of per-example terms",
-            axes), reducible, aux, gather_lib.per_layer(closed.jaxpr, layout.param_dims))
+        failure = _per_device_failure(config, layout, call, analysed)
+        if failure is None:
+          return Decision(paths.Path(
+              "device", ONE_DEVICE if one else f"the loss is a {what} of per-example terms",
+              axes), reducible, aux, gather_lib.per_layer(closed.jaxpr, layout.param_dims),
+              replay=_replayable(config, layout, call, analysed))
+        blockers.append(failure)
       problem = problem or (blockers[0] if blockers else ONE_DEVICE if one else found)
       if blockers:  # no other trace removes a blocker
         break
@@ -291,6 +285,52 @@ def _view(config: Config, layout: meshes.Layout, call: Call) -> Decision:
     problem = problem or str(err)
   return Decision(paths.Path(
       "global", problem or "no proof that per-device results add up", axes), reducible)
+
+
+def _check_forced_device(config: Config, roles: Sequence[str], blockers: Sequence[str]) -> None:
+  """Raises where ``view='device'`` cannot run the loss per device."""
+  if "param_update" in roles:
+    raise ValueError(
+        "view='device' cannot run this loss per device: it writes a differentiated "
+        "variable (e.g. nnx.WeightNorm or nnx.SpectralNorm writing its normalized "
+        "kernel into its nnx.Param), which each micro-batch must read as the "
+        "previous one left it. Use view='auto' (the default) or view='global'.")
+  if config.state_argnums:
+    raise ValueError(
+        "view='device' with state_argnums: each device would thread its own state "
+        "through its rows, so the returned state would be per device. Use "
+        "view='auto' (the default) or view='global' to thread one state through the "
+        "global micro-batches.")
+  if blockers:
+    raise ValueError(
+        f"view='device' cannot run this loss per device: {blockers[0]}. Use "
+        "view='auto' (the default) or view='global'.")
+
+
+def _per_device_failure(config: Config, layout: meshes.Layout, call: Call,
+                        analysed: Analysed) -> str | None:
+  """Why the micro-step does not trace per device, where its jaxpr cannot tell
+  (:func:`fxaccum.instep.replay.data_sharding`: a sharding over the data axes): its
+  forward pass is traced in the per-device region to find out. None where it traces."""
+  if replay_lib.data_sharding(analysed.closed, layout.data_axes) is None:
+    return None
+  err = attempt(region_lib.probe, config, layout, call).error
+  return None if err is None else f"the loss did not trace per device ({first_line(err)})"
+
+
+def _replayable(config: Config, layout: meshes.Layout, call: Call,
+                analysed: Analysed) -> replay_lib.Replayable | None:
+  """The analysed micro-step, for the device view's loop to run instead of tracing the
+  loss again, where it is the program for every number of rows, the evaluation covers
+  its equations (:func:`fxaccum.instep.replay.blocker`) and no param is gathered (FSDP)
+  before the loss reads it. Not for one row per device: there JAX's tracing spells a
+  broadcast along the rows as numpy does a size-1 one, so the program it would trace
+  differs (in form, not in value) from the one for every number of rows."""
+  rows = jax.tree.leaves(micro_batch_avals(config, call))[0].shape[0]
+  if (not analysed.every_size or any(layout.param_dims) or rows == layout.data_devices
+      or replay_lib.blocker(analysed.closed, layout.data_axes) is not None):
+    return None
+  return replay_lib.replayable(analysed.closed, analysed.shapes, call.argument_leaves())
 
 
 def _closures(closed: Any, call: Call) -> list[str]:
