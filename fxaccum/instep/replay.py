@@ -31,14 +31,14 @@ import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core
-from jax._src import mesh as mesh_lib
 from jax._src import sharding_impls, source_info_util
 from jax._src.export import shape_poly
 from jax.extend import core as jcore
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from fxaccum import jaxprs, meshes
 
@@ -147,7 +147,7 @@ def _specs(value: Any) -> list[Any]:
 
 # Parameter types :func:`_concrete` reads or passes through (no symbolic size inside).
 _READ = (int, float, str, type(None), shape_poly._DimExpr, NamedSharding, PartitionSpec,
-         mesh_lib.AbstractMesh, np.integer, np.dtype, enum.Enum, jcore.Jaxpr,
+         AbstractMesh, np.integer, np.dtype, enum.Enum, jcore.Jaxpr,
          jcore.ClosedJaxpr, sharding_impls.UnspecifiedValue)
 
 
@@ -204,19 +204,18 @@ def _in_mesh(mesh: Any) -> Any:
   """The mesh context (retargeted) an equation binds in."""
   if mesh is None or mesh.empty:
     return contextlib.nullcontext()
-  return mesh_lib.use_abstract_mesh(mesh)
+  return jax.sharding.use_abstract_mesh(mesh)
 
 
 def _retargeted(mesh: Any) -> Any:
   """``mesh`` (as traced, outside the region) as the current region's: its manual axes
   kept, the other axes typed as in ``mesh``."""
-  return _retargeted_to(mesh, mesh_lib.get_abstract_mesh())
+  return _retargeted_to(mesh, jax.sharding.get_abstract_mesh())
 
 
 @functools.lru_cache(maxsize=64)
 def _retargeted_to(mesh: Any, current: Any) -> Any:
-  manual = {a for a, t in zip(current.axis_names, current.axis_types, strict=True)
-            if t == AxisType.Manual}
+  manual = meshes.axes_of_type(current, AxisType.Manual)
   if not manual:
     return mesh
   if mesh is None or mesh.empty:  # traced without a mesh: the region's
@@ -232,8 +231,8 @@ def _concrete(value: Any, sizes: dict[str, Any]) -> Any:
   if isinstance(value, shape_poly._DimExpr):
     return value._evaluate(sizes)
   if isinstance(value, NamedSharding):
-    return NamedSharding(_retargeted(value.mesh), value.spec)
-  if isinstance(value, mesh_lib.AbstractMesh):
+    return value.update(mesh=_retargeted(value.mesh))
+  if isinstance(value, AbstractMesh):
     return _retargeted(value)
   if isinstance(value, tuple):
     items = [_concrete(v, sizes) for v in value]
