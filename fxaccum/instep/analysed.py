@@ -54,10 +54,8 @@ class Analysed(NamedTuple):
   Attributes:
     analysis: what :func:`fxaccum.analysis.analyze` found.
     roles: each output's role (see :func:`fxaccum.instep.additivity.classify`).
-    aux: the aux traced (abstract, with its markers).
     closed: the micro-step's closed jaxpr, ``(leaves, micro-batch, index, state) ->
       outputs``.
-    kind: what the loss returned (:data:`~fxaccum.instep.call.LossKind`).
     shapes: its outputs' shapes (as :attr:`fxaccum.instep.micro_step.MicroStep.shapes`).
     every_size: whether ``closed`` is traced with a symbolic number of rows
       (:data:`fxaccum.instep.replay.ROWS`): the program every number of rows runs.
@@ -65,11 +63,19 @@ class Analysed(NamedTuple):
 
   analysis: analysis_lib.Analysis
   roles: list[Role]
-  aux: Any
   closed: Any
-  kind: LossKind
   shapes: Any
   every_size: bool
+
+  @property
+  def aux(self) -> Any:
+    """The aux traced (abstract, with its markers)."""
+    return self.shapes[0][1][1]
+
+  @property
+  def kind(self) -> LossKind:
+    """What the loss returned."""
+    return self.shapes[0][1][4].value
 
 
 def analyses(config: Config, layout: meshes.Layout, call: Call,
@@ -115,13 +121,13 @@ def analyses(config: Config, layout: meshes.Layout, call: Call,
 
   def analysis(traced, rows, partner=None) -> Analysed:
     closed, shapes = traced
-    (_, (_, aux, state, sown, kind)), _ = shapes
+    (_, (_, aux, state, sown, _)), _ = shapes
     return Analysed(analysis_lib.analyze(
         closed, rows=rows, batch_inputs=range(n_diff, n_diff + n_micro),
         param_inputs=range(n_diff), partner=partner,
         partner_rows=rows // devices if partner is not None else None,
         rows_seen=rows_seen), _roles(closed, aux, state, sown, written_leaves(*traced),
-                                     n_diff, n_micro), aux, closed, kind.value, shapes,
+                                     n_diff, n_micro), closed, shapes,
                     not isinstance(rows, int))
 
   if paired:

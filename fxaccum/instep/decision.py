@@ -246,7 +246,8 @@ def _view(config: Config, layout: meshes.Layout, call: Call) -> Decision:
   reducible: frozenset[int] = frozenset()
   try:
     for analysed in analyses(config, layout, call, paired=config.view == "auto"):
-      analysis, roles, aux, closed, kind = analysed[:5]
+      analysis, roles, closed, aux = (analysed.analysis, analysed.roles, analysed.closed,
+                                      analysed.aux)
       reducible = analysis.reducible if on_explicit else frozenset()
       blockers = [*analysis.blockers,
                   *([layout.device_blocker] if layout.device_blocker else []),
@@ -257,7 +258,7 @@ def _view(config: Config, layout: meshes.Layout, call: Call) -> Decision:
                          gather_lib.per_layer(closed.jaxpr, layout.param_dims))
       if config.view == "global":
         return Decision(paths.Path("global", "view='global'", axes), reducible)
-      found, what = classify(analysis.outputs, roles, summed=kind == "sum")
+      found, what = classify(analysis.outputs, roles, summed=analysed.kind == "sum")
       # One device: how values scale is not read (no second size), and nothing differs.
       one = layout.data_devices == 1
       if not blockers and found is None:
