@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
 
 __all__ = ["eqns_within", "expansion", "forwards", "held_jaxprs", "scan_counts", "subjaxprs"]
@@ -60,16 +61,22 @@ def held_jaxprs(value: Any) -> list[Any]:
   """The jaxprs held by an equation parameter, as it holds them (a ``ClosedJaxpr`` with
   its constants, or an open ``Jaxpr``; a hijax primitive, its :func:`expansion`), in
   order; ``[]`` for any other value."""
+  if isinstance(value, _PLAIN):  # most parameters (sizes, dtypes, names): read first
+    return []
   if isinstance(value, (jcore.ClosedJaxpr, jcore.Jaxpr)):
     return [value]
+  if isinstance(value, (tuple, list)):
+    return [j for v in value for j in held_jaxprs(v)]
   if _is_hi_primitive(value):
     try:
       return [expansion(value)]
     except Exception:  # noqa: BLE001 - not expandable: the analysis's call rule fails on it
       return []  # too, which makes the equation unknown (the global view)
-  if isinstance(value, (tuple, list)):
-    return [j for v in value for j in held_jaxprs(v)]
   return []
+
+
+# Parameter types that hold no jaxpr.
+_PLAIN = (int, float, str, type(None), np.dtype, np.generic)
 
 
 def subjaxprs(value: Any) -> list[Any]:

@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 import math
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -41,9 +41,8 @@ from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "CONVENTIONAL_DATA_AXES", "DataDims", "Layout", "as_data_axes", "axes_of_type", "conform",
-    "explicit", "find_mesh", "known_spec", "missing_axes",
-    "layout_of", "linen_rules_without_manual_axes", "named_axes", "shard_map_keeping_axes",
-    "spec_axes",
+    "explicit", "find_mesh", "known_spec", "missing_axes", "layout_of", "linen_rules_without",
+    "linen_rules_without_manual_axes", "named_axes", "shard_map_keeping_axes", "spec_axes",
     "spec_entry", "tracks_varying", "vary", "varying_axes",
 ]
 
@@ -178,23 +177,32 @@ def manual_axes() -> set[str]:
   return _manual_axes(mesh) if mesh.axis_names else set()
 
 
-@contextlib.contextmanager
-def linen_rules_without_manual_axes() -> Iterator[None]:
+def linen_rules_without_manual_axes() -> contextlib.AbstractContextManager[None]:
   """flax linen's logical axis rules with the axes that are manual here mapped to nothing.
 
   A linen param made with ``nn.with_logical_partitioning`` constrains its sharding on every
   ``apply`` (flax checks the param against its init function, under the active
-  ``nn_partitioning.axis_rules``). Inside the per-device region the data axes are manual
-  and a constraint naming them is an error, although the per-device value is whole there.
-  (Without flax linen loaded there are no such rules: fxaccum loads no flax of its own.)
+  ``nn_partitioning.axis_rules``), and ``nn.with_logical_constraint`` constrains an
+  activation (MaxText: ``activation_batch`` -> the data axes). Inside the per-device
+  region the data axes are manual and a constraint naming them is an error, although the
+  per-device value is whole there.
   """
+  return linen_rules_without(manual_axes())
+
+
+@contextlib.contextmanager
+def linen_rules_without(axes: Iterable[str]) -> Iterator[None]:
+  """flax linen's logical axis rules with ``axes`` mapped to nothing: as the per-device
+  region sees them where ``axes`` are its manual data axes (see
+  :func:`linen_rules_without_manual_axes`). (Without flax linen loaded there are no such
+  rules: fxaccum loads no flax of its own.)"""
   if "flax.linen" not in sys.modules:
     yield
     return
   from flax.linen import partitioning as nn_partitioning  # loaded already
 
   rules = nn_partitioning.get_axis_rules()
-  manual = manual_axes()
+  manual = set(axes)
   if not rules or not manual:
     yield
     return

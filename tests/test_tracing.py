@@ -8,9 +8,10 @@ where the loop traces the loss again: FSDP params gathered before the loss, forc
 views (no symbolic trace), the global view, control flow the evaluation does not cover,
 one row per device (JAX spells a size-1 broadcast otherwise). Four paths take a third:
 a loss that names the data axes in collectives (the analysis's global trace stops at the
-collective; its aux and FSDP layers are then read in the per-device region), a sharding
-constraint over the data axes (tests/test_views.py: the decision traces the forward pass
-per device), the first call with a shared key (the shared-key warning's own trace, once
+collective; its aux and FSDP layers are then read in the per-device region), the loss's
+own sharding constraint over the data axes (tests/test_views.py: the decision traces the
+forward pass per device; flax's logical constraints are traced once), the first call
+with a shared key (the shared-key warning's own trace, once
 per loss function), and a global view on an Explicit mesh whose loss fails with params
 typed ``reduced`` (traced again without). A loss whose Python code computes with its
 number of rows takes four: its symbolic trace fails, so the analysis traces it at the

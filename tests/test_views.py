@@ -912,7 +912,7 @@ def test_an_internal_error_fails_tests_and_warns_users_instead_of_a_silent_slow_
 
 class _Constrained(nn.Module):
   """A tanh MLP whose hidden activations are constrained over the data axis: with flax's
-  logical rules (``activation_batch`` -> ``data``, as lm1b and MaxText write them) or
+  logical rules (``activation_batch`` -> ``data``, as MaxText writes them) or
   with the model's own ``with_sharding_constraint``."""
   logical: bool
 
@@ -926,13 +926,16 @@ class _Constrained(nn.Module):
     return nn.Dense(1)(jnp.tanh(h))[..., 0]
 
 
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
 @pytest.mark.parametrize("logical", [True, False], ids=["flax_rules", "own_constraint"])
-def test_a_sharding_constraint_over_the_data_axes(logical):
+def test_a_sharding_constraint_over_the_data_axes(logical, axis_type):
   """Per device the data axes are manual: flax's logical constraints drop them there (the
-  device view), a constraint of the model's own cannot run there (the global view, the
-  reason quoting JAX). A jaxpr traced outside the region does not say which it holds, so
-  the decision traces the forward pass per device to find out (a third trace of the
-  loss). Both exact."""
+  device view), and the view analysis traces the loss per device as the region runs it,
+  its rules without the data axes: one trace of the loss, the loop runs it. A constraint
+  of the model's own cannot run per device (the global view, the reason quoting JAX): a
+  jaxpr traced outside the region does not say that it fails there, so the decision
+  traces the forward pass per device to find out (Auto: a third trace of the loss; on an
+  Explicit mesh the per-device traces fail first, as before: a fourth). Both exact."""
   x = np.random.default_rng(3).normal(size=(64, 8)).astype(np.float32)
   params = _Constrained(logical=True).init(jax.random.key(0), x[:1])  # no rules: no-op
   model = _Constrained(logical=logical)
@@ -943,12 +946,13 @@ def test_a_sharding_constraint_over_the_data_axes(logical):
     traces.append(None)
     return jnp.mean((model.apply(params, batch["x"]) - batch["x"][:, 0]) ** 2)
 
-  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  mesh = mesh_of((8,), ("data",), axis_type)
   with jax.set_mesh(mesh), nn.logical_axis_rules((("activation_batch", "data"),)):
     batch = jax.device_put({"x": x}, NamedSharding(mesh, P("data")))
     step = jax.jit(fxaccum.value_and_grad(loss, micro_batches=4))
     got = step(params, batch)
-    assert len(traces) == 3, len(traces)
+    expected = 1 if logical else 3 if axis_type == AxisType.Auto else 4
+    assert len(traces) == expected, len(traces)
     (path,) = diagnostics.paths(step, params, batch)
     want = jax.jit(jax.value_and_grad(loss))(params, batch)
   assert_tree_close(got, want)

@@ -132,8 +132,9 @@ def analyses(config: Config, layout: meshes.Layout, call: Call,
 
   if paired:
     (symbol,) = jax.export.symbolic_shape(ROWS)
-    traced = _traced_for_every_size(
-        step, per_device(leaves), per_device(micro, symbol), INDEX, per_device(call.state))
+    with meshes.linen_rules_without(axes):
+      traced = _traced_for_every_size(
+          step, per_device(leaves), per_device(micro, symbol), INDEX, per_device(call.state))
     if traced is not None:
       result = analysis(traced, symbol)
       yield result
@@ -149,8 +150,9 @@ def analyses(config: Config, layout: meshes.Layout, call: Call,
       raise err
   partner = None
   if paired:
-    partner, err = attempt(jax.make_jaxpr(step), per_device(leaves),
-                           per_device(micro, rows // devices), INDEX, per_device(call.state))
+    with meshes.linen_rules_without(axes):
+      partner, err = attempt(jax.make_jaxpr(step), per_device(leaves),
+                             per_device(micro, rows // devices), INDEX, per_device(call.state))
     if err is not None:  # the device view could not run it either
       raise NoDeviceTrace(f"the loss did not trace per device ({first_line(err)})") from err
   yield analysis(traced, rows, partner)

@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jcore
 
 from fxaccum import analysis as analysis_lib
 from fxaccum import meshes, reductions
@@ -95,14 +94,13 @@ def loop(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],
 
   Returns a :class:`Looped`.
   """
-  closed, shapes = step or trace_step(config, call, axes, whole, gather_dims, traced)
-  sums = _Sums.of(config, call, closed, shapes, axes, presummed, grads,
-                  micro_gradients=traced is None)
+  step = step or trace_step(config, call, axes, whole, gather_dims, traced)
+  sums = _Sums.of(config, call, step, axes, presummed, grads, micro_gradients=traced is None)
   _warn_batch_shaped(config, call, whole, gather_dims, sums.markers)
   init = (sums.accumulator.init(), call.state._replace(
-      params=_written_params(closed, shapes, whole, gather_dims)))
-  body = _loop_body(config, jcore.jaxpr_as_fun(closed), jax.tree.structure(shapes), sums,
-                    init, whole, gather_dims, axes, zero3=traced is not None)
+      params=_written_params(step.closed, step.shapes, whole, gather_dims)))
+  body = _loop_body(config, step.run, jax.tree.structure(step.shapes), sums, init, whole,
+                    gather_dims, axes, zero3=traced is not None)
   if config.micro_batches == 1:  # one micro-batch: no loop, the step as jax.value_and_grad
     (carry, state), sown = body(init, jnp.int32(0))  # runs it
     sown = jax.tree.map(lambda x: x[None], sown)
@@ -139,14 +137,14 @@ class _Sums:
                          *([self.noise] if self.noise else [])])
 
   @staticmethod
-  def of(config: Config, call: Call, closed: Any, shapes: Any, axes: tuple[str, ...],
+  def of(config: Config, call: Call, step: MicroStep, axes: tuple[str, ...],
          presummed: bool, grads: acc.Accumulator, micro_gradients: bool) -> _Sums:
-    """The accumulators of a micro-step traced as ``closed``; ``micro_gradients``: whether
-    it returns each micro-batch's gradient before any reduction (not zero3's)."""
-    out_def = jax.tree.structure(shapes)
+    """The accumulators of ``step``; ``micro_gradients``: whether it returns each
+    micro-batch's gradient before any reduction (not zero3's)."""
+    out_def = jax.tree.structure(step.shapes)
     (total_aval, (weight_aval, aux_avals, _, _, loss_kind)), _ = jax.tree.unflatten(
-        out_def, closed.out_avals)
-    summed = _summed_over(closed, axes, call.batch(config), presummed)
+        out_def, step.out_avals)
+    summed = _summed_over(step, axes, call.batch(config), presummed)
     (total_axes, (weight_axes, aux_axes, _, _, _)), _ = jax.tree.unflatten(
         out_def, [frozenset(axes) if s is None else s for s in summed])
     (_, (constant_weight, *_)), _ = jax.tree.unflatten(out_def, [s is None for s in summed])
@@ -200,7 +198,7 @@ class _Sums:
     return value, aux, statistics, self.grads.finalize(grad_sums, norm), local_weight
 
 
-def _loop_body(config: Config, traced_step: Callable[..., Any], out_def: Any, sums: _Sums,
+def _loop_body(config: Config, run_step: Callable[..., Any], out_def: Any, sums: _Sums,
                init: Any, whole: list[Any], gather_dims: Sequence[meshes.DataDims],
                axes: tuple[str, ...], zero3: bool) -> Callable[..., Any]:
   """The scan body over micro-batch indices: ``((sums, state), index) -> ((sums, state),
@@ -213,8 +211,8 @@ def _loop_body(config: Config, traced_step: Callable[..., Any], out_def: Any, su
     read = [x if w is None else w for x, w in zip(
         whole, old_state.params or [None] * len(whole), strict=True)]
     # A jaxpr output that is a literal (a Python number in the aux) comes back as one.
-    outs = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in traced_step(
-        *jax.tree.leaves((read, index, old_state._replace(params=()))))]
+    outs = [x if isinstance(x, jax.Array) else jnp.asarray(x)
+            for x in run_step(read, index, old_state._replace(params=()))]
     (loss_total, (loss_weight, aux_values, state, sown, _)), grad_values = jax.tree.unflatten(
         out_def, outs)
     # Carried on: the params written another value (a value set again passes through).
@@ -263,17 +261,18 @@ def _written_params(closed: Any, shapes: Any, whole: list[Any],
   return tuple(x if w else None for x, w in zip(whole, written, strict=True))
 
 
-def _summed_over(closed: jax.extend.core.ClosedJaxpr, axes: tuple[str, ...], batch: Any,
+def _summed_over(step: MicroStep, axes: tuple[str, ...], batch: Any,
                  presummed: bool) -> list[frozenset[str] | None]:
   """Per output of one micro-step, the manual axes to sum it over after the loop: all,
   but (``presummed``) those a value fed by the batch or by a collective (``psum(n)``) does
   not vary over: the loss summed it over them. None (``presummed``): a value fed by
-  neither, the same on every device (a weight of 1), for the caller to place."""
+  neither, the same on every device (a weight of 1), for the caller to place. (Per-rank
+  code traces its micro-step in the loop's region: ``step.closed`` closes over the batch.)"""
   if not (presummed and meshes.tracks_varying(axes)):
-    return [frozenset(axes)] * len(closed.out_avals)
-  depends = analysis_lib.depends_on(closed, jax.tree.leaves(batch), _REDUCING_COLLECTIVES)
+    return [frozenset(axes)] * len(step.out_avals)
+  depends = analysis_lib.depends_on(step.closed, jax.tree.leaves(batch), _REDUCING_COLLECTIVES)
   return [frozenset(a for a in axes if a in meshes.varying_axes(aval)) if dep
-          else None for aval, dep in zip(closed.out_avals, depends, strict=True)]
+          else None for aval, dep in zip(step.out_avals, depends, strict=True)]
 
 
 # Collectives whose result no longer varies over their axes: a value computed from one

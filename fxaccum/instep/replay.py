@@ -45,7 +45,8 @@ from fxaccum import jaxprs, meshes
 # The symbolic number of rows the view analysis traces the micro-step with.
 ROWS = "rows"
 
-__all__ = ["ROWS", "Replayable", "blocker", "data_sharding", "evaluate", "replayable"]
+__all__ = ["ROWS", "Replayable", "blocker", "data_sharding", "evaluate", "out_types",
+           "replayable"]
 
 
 class Replayable(NamedTuple):
@@ -198,6 +199,29 @@ def evaluate(closed: Any, sizes: dict[str, Any], *args: Any,
         outs = outs if eqn.primitive.multiple_results else [outs]
     values.update(zip(eqn.outvars, outs, strict=True))
   return [read(v) for v in closed.jaxpr.outvars]
+
+
+def out_types(closed: Any, sizes: dict[str, Any], inputs: Sequence[Any]) -> list[Any]:
+  """The abstract values :func:`evaluate` gives for ``closed`` on ``inputs`` (values or
+  abstract values: its constants, then its arguments) where the caller traces, read from
+  the jaxpr instead of running it: each output's shape at ``sizes``, its sharding
+  retargeted, and the manual axes of the inputs it depends on as the axes it varies
+  over. Exact for what :func:`blocker` lets run: an equation's operands are cast to
+  their union, and no collective (nor anything else) changes it; a nested call's outputs
+  are given all its operands' axes (at most what they vary over: the loop casts up)."""
+  jaxpr = closed.jaxpr
+  varying = dict(zip([*jaxpr.constvars, *jaxpr.invars], map(meshes.varying_axes, inputs),
+                     strict=True))
+
+  def axes(v: Any) -> frozenset[str]:
+    return frozenset() if isinstance(v, jcore.Literal) else varying[v]
+
+  for eqn in jaxpr.eqns:
+    varying.update(dict.fromkeys(eqn.outvars, frozenset().union(*map(axes, eqn.invars))))
+  return [v.aval.update(shape=_concrete(v.aval.shape, sizes),
+                        sharding=_concrete(v.aval.sharding, sizes),
+                        manual_axis_type=v.aval.mat.update(varying=axes(v)))
+          for v in jaxpr.outvars]
 
 
 def _in_mesh(mesh: Any) -> Any:

@@ -28,7 +28,7 @@ from fxaccum.instep import region as region_lib
 from fxaccum.instep.call import Call, Config
 from fxaccum.instep.decision import Decision, decide, global_specs
 from fxaccum.instep.loop import Looped, loop
-from fxaccum.instep.micro_step import trace_step
+from fxaccum.instep.micro_step import replayed_step
 from fxaccum.statistics import with_statistics
 
 if TYPE_CHECKING:
@@ -181,8 +181,8 @@ def _device_loop(config: Config, layout: meshes.Layout, call: Call, decision: De
 
   sums = acc.local_gradients(call.diff_leaves, whole, layout.param_dims, gather_in_loop, axes,
                              config.accumulator_dtype, reduced=config.reduce)
-  step = trace_step(config, call, axes, whole, gather_in_loop, traced, decision.replay
-                    ) if decision.replay else None  # the analysis's trace, run
+  step = replayed_step(config, call, axes, whole, decision.replay
+                       ) if decision.replay else None  # the analysis's trace, run
   looped = loop(config, call, axes, whole, gather_in_loop, sums, presummed, traced=traced,
                 step=step)
   grads = looped.grads
