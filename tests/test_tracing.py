@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 import fxaccum
 from fxaccum.instep import replay
+from fxaccum.instep.analysed import INDEX
 
 FSDP_SPECS = {"w1": P(None, "data"), "b1": P("data"), "w2": P("data", None)}
 
@@ -221,3 +222,41 @@ def test_what_the_evaluation_covers(fun, reason):
   one that is not is the reason."""
   closed = jax.make_jaxpr(fun, axis_env=[("data", 8)])(jnp.ones(4))
   assert replay.blocker(closed, ("data",)) == reason
+
+
+def test_the_output_types_read_from_the_jaxpr():
+  """The loop shapes its accumulators with :func:`replay.out_types` (read from the
+  symbolic jaxpr) before its body runs :func:`replay.evaluate`: per output the shape at
+  the loop's number of rows and the dtype the evaluation gives, and every manual axis it
+  varies over (exactly, but for a nested call's outputs, which get all its operands'
+  axes: the loop casts up). Inputs as the region has them: a varying batch, an invariant
+  param and index."""
+  def step(w, x, index):
+    rows = x.shape[0]
+    both = jax.jit(lambda w, x: (x @ w, w * 2))(w, x)  # a nested call: over-approximated
+    return [jnp.tanh(x @ w), w.sum() * 2, index + 1, jnp.zeros((rows, 2)), 3.0, *both,
+            jnp.mean(x, axis=0).astype(jnp.bfloat16)]
+
+  (rows,) = jax.export.symbolic_shape(replay.ROWS)
+  closed = jax.make_jaxpr(step)(jax.ShapeDtypeStruct((4, 3), jnp.float32),
+                                jax.ShapeDtypeStruct((rows, 4), jnp.float32), INDEX)
+  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  found = []
+
+  def region(w, x):
+    sizes, inputs = {replay.ROWS: x.shape[0]}, (w, x, jnp.int32(0))
+    actual = jax.make_jaxpr(lambda *a: replay.evaluate(closed, sizes, *a))(*inputs).out_avals
+    found.append((replay.out_types(closed, sizes, inputs), actual))
+    return ()
+
+  with jax.set_mesh(mesh):
+    jax.eval_shape(jax.shard_map(region, in_specs=(P(), P("data")), out_specs=()),
+                   jnp.ones((4, 3)), jax.reshard(jnp.ones((16, 4)), P("data")))
+  ((predicted, actual),) = found
+  assert [(a.shape, a.dtype) for a in predicted] == [(a.shape, a.dtype) for a in actual]
+  assert predicted[3].shape == (2, 2)  # the region's 2 rows
+  axes = [(set(p.manual_axis_type.varying), set(a.manual_axis_type.varying))
+          for p, a in zip(predicted, actual, strict=True)]
+  assert axes[:5] == [({"data"},) * 2, (set(), set()), (set(), set()), (set(), set()),
+                      (set(), set())], axes
+  assert axes[5:] == [({"data"},) * 2, ({"data"}, set()), ({"data"},) * 2], axes
