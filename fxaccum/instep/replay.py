@@ -205,23 +205,34 @@ def out_types(closed: Any, sizes: dict[str, Any], inputs: Sequence[Any]) -> list
   """The abstract values :func:`evaluate` gives for ``closed`` on ``inputs`` (values or
   abstract values: its constants, then its arguments) where the caller traces, read from
   the jaxpr instead of running it: each output's shape at ``sizes``, its sharding
-  retargeted, and the manual axes of the inputs it depends on as the axes it varies
-  over. Exact for what :func:`blocker` lets run: an equation's operands are cast to
-  their union, and no collective (nor anything else) changes it; a nested call's outputs
-  are given all its operands' axes (at most what they vary over: the loop casts up)."""
-  jaxpr = closed.jaxpr
-  varying = dict(zip([*jaxpr.constvars, *jaxpr.invars], map(meshes.varying_axes, inputs),
-                     strict=True))
+  retargeted, and the manual axes it varies over: those of the inputs it depends on, as
+  :func:`evaluate` casts an equation's operands to their union and nothing that
+  :func:`blocker` lets run (no collective) changes them."""
+  axes = _varying(closed.jaxpr, [meshes.varying_axes(x) for x in inputs])
+  return [v.aval.update(shape=_concrete(v.aval.shape, sizes),
+                        sharding=_concrete(v.aval.sharding, sizes),
+                        manual_axis_type=v.aval.mat.update(varying=a))
+          for v, a in zip(closed.jaxpr.outvars, axes, strict=True)]
 
-  def axes(v: Any) -> frozenset[str]:
+
+def _varying(jaxpr: Any, inputs: list[frozenset[str]]) -> list[frozenset[str]]:
+  """Per output of ``jaxpr``, the manual axes it varies over, its constants and
+  arguments varying over ``inputs``; nested calls followed inside, as :func:`evaluate`
+  runs them."""
+  varying = dict(zip([*jaxpr.constvars, *jaxpr.invars], inputs, strict=True))
+
+  def of(v: Any) -> frozenset[str]:
     return frozenset() if isinstance(v, jcore.Literal) else varying[v]
 
   for eqn in jaxpr.eqns:
-    varying.update(dict.fromkeys(eqn.outvars, frozenset().union(*map(axes, eqn.invars))))
-  return [v.aval.update(shape=_concrete(v.aval.shape, sizes),
-                        sharding=_concrete(v.aval.sharding, sizes),
-                        manual_axis_type=v.aval.mat.update(varying=axes(v)))
-          for v in jaxpr.outvars]
+    operands = list(map(of, eqn.invars))
+    if eqn.primitive.name in _INLINED:  # its constants: arrays of the trace, varying over none
+      inner = eqn.params[_INLINED[eqn.primitive.name]]
+      outs = _varying(inner.jaxpr, [frozenset()] * len(inner.consts) + operands)
+    else:
+      outs = [frozenset().union(*operands)] * len(eqn.outvars)
+    varying.update(zip(eqn.outvars, outs, strict=True))
+  return [of(v) for v in jaxpr.outvars]
 
 
 def _in_mesh(mesh: Any) -> Any:
