@@ -23,6 +23,8 @@ from fxaccum.instep.call import (
     LossKind,
     micro_batch_avals,
     micro_loss,
+    traced_aux,
+    traced_kind,
     written_leaves,
 )
 from fxaccum.instep.replay import ROWS
@@ -70,12 +72,12 @@ class Analysed(NamedTuple):
   @property
   def aux(self) -> Any:
     """The aux traced (abstract, with its markers)."""
-    return self.shapes[0][1][1]
+    return traced_aux(self.shapes)
 
   @property
   def kind(self) -> LossKind:
     """What the loss returned."""
-    return self.shapes[0][1][4].value
+    return traced_kind(self.shapes)
 
 
 def analyses(config: Config, layout: meshes.Layout, call: Call,

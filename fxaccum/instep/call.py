@@ -21,7 +21,7 @@ if TYPE_CHECKING:
   from fxaccum.integrations import nnx_modules
 
 __all__ = ["Call", "Config", "Kind", "LossKind", "Threaded", "is_array", "micro_batch_avals",
-           "micro_loss", "written_leaves"]
+           "micro_loss", "traced_aux", "traced_kind", "written_leaves"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +155,17 @@ def _written(read: list[Any], after: list[Any]) -> tuple[Any, ...]:
   value than the one it read), else None; ``()`` where it wrote none."""
   written = tuple(None if new is old else new for old, new in zip(read, after, strict=True))
   return written if any(w is not None for w in written) else ()
+
+
+def traced_aux(shapes: Any) -> Any:
+  """The aux of a traced micro-step whose outputs are ``shapes`` (see
+  :func:`written_leaves`): abstract, with its markers."""
+  return shapes[0][1][1]
+
+
+def traced_kind(shapes: Any) -> LossKind:
+  """What the loss of a traced micro-step whose outputs are ``shapes`` returned."""
+  return shapes[0][1][4].value
 
 
 def written_leaves(closed: Any, shapes: Any) -> tuple[bool, ...]:

@@ -18,7 +18,15 @@ from jax.extend import core as jcore
 from fxaccum import meshes, reductions, split
 from fxaccum.instep import gather as gather_lib
 from fxaccum.instep import replay as replay_lib
-from fxaccum.instep.call import Call, Config, LossKind, micro_batch_avals, micro_loss
+from fxaccum.instep.call import (
+    Call,
+    Config,
+    LossKind,
+    micro_batch_avals,
+    micro_loss,
+    traced_aux,
+    traced_kind,
+)
 
 __all__ = ["MicroStep", "replayed_step", "trace_step"]
 
@@ -44,12 +52,12 @@ class MicroStep(NamedTuple):
   @property
   def aux(self) -> Any:
     """The aux traced (abstract, with its markers)."""
-    return self.shapes[0][1][1]
+    return traced_aux(self.shapes)
 
   @property
   def kind(self) -> LossKind:
     """What the loss returned."""
-    return self.shapes[0][1][4].value
+    return traced_kind(self.shapes)
 
 
 def trace_step(config: Config, call: Call, axes: tuple[str, ...], whole: list[Any],

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -86,7 +86,7 @@ _INLINED = {"jit": "jaxpr", "custom_jvp_call": "call_jaxpr", "custom_vjp_call": 
 def blocker(closed: Any, data_axes: Sequence[str]) -> str | None:
   """Why :func:`evaluate` does not run ``closed`` where ``data_axes`` are manual (the
   first equation it does not cover), or None."""
-  for eqn in (e for top in closed.jaxpr.eqns for e in jaxprs.eqns_within(top)):
+  for eqn in _equations(closed):
     name = eqn.primitive.name
     if _names(eqn, data_axes):
       return f"its {name} names the data axes in a sharding"
@@ -123,10 +123,13 @@ def data_sharding(closed: Any, data_axes: Sequence[str]) -> str | None:
   (e.g. ``with_sharding_constraint``), or None. Where the loss runs per device those axes
   are manual: flax's logical constraints drop them there, a constraint of the loss's own
   fails; which one a jaxpr traced outside the region holds, it does not say."""
-  for eqn in (e for top in closed.jaxpr.eqns for e in jaxprs.eqns_within(top)):
-    if _names(eqn, data_axes):
-      return eqn.primitive.name
-  return None
+  return next((eqn.primitive.name for eqn in _equations(closed) if _names(eqn, data_axes)),
+              None)
+
+
+def _equations(closed: Any) -> Iterator[Any]:
+  """Every equation of ``closed``, those of its sub-jaxprs too (depth first)."""
+  return (inner for eqn in closed.jaxpr.eqns for inner in jaxprs.eqns_within(eqn))
 
 
 def _names(eqn: Any, data_axes: Sequence[str]) -> bool:
